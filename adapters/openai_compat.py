@@ -1,0 +1,280 @@
+"""Any OpenAI-compatible server: OpenAI, NVIDIA, DashScope (Qwen), LM Studio, Ollama, vLLM.
+
+The request goes upstream as the client sent it (fields relay does not interpret pass
+through, SPEC A1), with the model rewritten to the provider's own name. A streamed answer
+is read line by line from ``async with client.stream(...)``, so a stop — client gone, run
+timeout, shutdown — leaves that block and closes the upstream connection at once, and a
+local server stops generating (no ghost queue, SPEC C2).
+
+What counts as complete (SPEC E4): a finish_reason for every choice. A stream that ends
+before it is ``stream_cut``; one whose finish came but whose ``[DONE]`` did not is
+complete; an event that is not JSON is skipped and reported as skipped.
+
+Presets (SPEC L4) fill the base URL, the key's variable and a profile fitting the kind of
+server; the file overrides any of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from types import TracebackType
+from typing import Any
+
+import attrs
+import trio
+
+from relay.config import Profile
+from relay.errors import RelayError
+from relay.events import Call, Delta, EventSink, Finish, Skipped, Usage
+from relay.http import AsyncClient, HTTPSettings, make_client, transport_errors
+
+from .base import Adapter, upstream_failure
+
+DRAIN_AFTER_DONE_S = 1.0
+
+__all__ = ["PRESETS", "OpenAIAdapter", "OpenAISettings", "Preset"]
+
+
+@attrs.frozen
+class Preset:
+    base_url: str
+    profile: Profile
+    api_key_env: str | None = None
+    max_call_s: float = 120.0  # run_timeout_s may not be set below this
+    typical_call_s: float = 10.0
+
+
+_LOCAL_ONE = Profile(lanes=1, queue_max=16, queue_timeout_s=300.0, run_timeout_s=180.0)
+PRESETS: dict[str, Preset] = {
+    # Local servers answer one request at a time on one GPU; calls can take minutes.
+    "lmstudio": Preset("http://127.0.0.1:1234/v1", _LOCAL_ONE, typical_call_s=20.0),
+    "ollama": Preset("http://127.0.0.1:11434/v1",
+                     attrs.evolve(_LOCAL_ONE, run_timeout_s=300.0), typical_call_s=20.0),
+    "vllm": Preset("http://127.0.0.1:8000/v1",
+                   Profile(lanes=8, queue_max=64, queue_timeout_s=120.0, run_timeout_s=300.0)),
+    # Clouds take many requests at once but meter them.
+    "openai": Preset("https://api.openai.com/v1",
+                     Profile(lanes=8, queue_max=64, queue_timeout_s=60.0, run_timeout_s=600.0,
+                             rpm=500.0), api_key_env="OPENAI_API_KEY"),
+    "nvidia": Preset("https://integrate.api.nvidia.com/v1",
+                     Profile(lanes=4, queue_max=32, queue_timeout_s=120.0, run_timeout_s=300.0,
+                             rpm=40.0), api_key_env="NVIDIA_API_KEY"),
+    "dashscope": Preset("https://dashscope-intl.aliyuncs.com/compatible-mode/v1",
+                        Profile(lanes=8, queue_max=64, queue_timeout_s=60.0,
+                                run_timeout_s=300.0, rpm=60.0),
+                        api_key_env="DASHSCOPE_API_KEY"),
+}
+
+
+@attrs.frozen(kw_only=True)
+class OpenAISettings(HTTPSettings):
+    preset: str | None = None
+
+
+class OpenAIAdapter(Adapter):
+    kind = "openai"
+    Settings = OpenAISettings
+    prefill = False
+
+    _client: AsyncClient
+
+    def __init__(self, provider: Any) -> None:
+        super().__init__(provider)
+        preset = PRESETS.get(self.settings.preset or "")
+        base = self.settings.base_url or (preset.base_url if preset else "")
+        self.base_url = base.rstrip("/")
+        self.key_env: str | None = self.settings.api_key_env or (
+            preset.api_key_env if preset else None)
+        self.headers: dict[str, str] = {"user-agent": "relay"}
+        key = os.environ.get(self.key_env) if self.key_env else None
+        if key:
+            self.headers["authorization"] = f"Bearer {key}"
+        self.headers.update(self.settings.headers)
+        self.key_missing = bool(self.key_env) and not key
+
+    @classmethod
+    def _preset(cls, settings: Any) -> Preset | None:
+        return PRESETS.get(settings.preset or "")
+
+    @classmethod
+    def recommended_profile(cls, settings: Any) -> Profile | None:
+        preset = cls._preset(settings)
+        return preset.profile if preset else None
+
+    @classmethod
+    def max_call_s(cls, settings: Any) -> float:
+        preset = cls._preset(settings)
+        return preset.max_call_s if preset else 0.0
+
+    @classmethod
+    def typical_call_s(cls, settings: Any) -> float:
+        preset = cls._preset(settings)
+        return preset.typical_call_s if preset else 10.0
+
+    @classmethod
+    def settings_problems(cls, settings: Any) -> list[tuple[str, str]]:
+        problems = []
+        if settings.preset is not None and settings.preset not in PRESETS:
+            problems.append(("preset", f"unknown preset {settings.preset!r}; known: "
+                             f"{', '.join(PRESETS)}"))
+        elif settings.preset is None and not settings.base_url:
+            problems.append(("base_url", "missing: give base_url, or a preset "
+                             f"({', '.join(PRESETS)})"))
+        url = settings.base_url or ""
+        if url and not url.startswith(("http://", "https://")):
+            problems.append(("base_url", f"must start with http:// or https://: {url!r}"))
+        return problems
+
+    async def __aenter__(self) -> OpenAIAdapter:
+        self._client = make_client(self.settings,
+                                   max_connections=max(4, self.provider.profile.lanes * 2))
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self._client.aclose()
+
+    def _refuse_without_key(self) -> None:
+        if self.key_missing:
+            action = f"set the environment variable {self.key_env} to the provider's API key"
+            raise RelayError("auth_required", f"provider {self.name!r} needs an API key: "
+                             f"{action}, then restart relay", provider=self.name,
+                             action=action)
+
+    async def models(self) -> list[str]:
+        if self.provider.models_configured:
+            return list(self.provider.models)
+        self._refuse_without_key()
+        with transport_errors(self.name, "model list"):
+            async with self._client.stream("GET", f"{self.base_url}/models",
+                                           headers=self.headers) as resp:
+                text = (await resp.aread()).decode("utf-8", "replace")
+        if resp.status_code != 200:
+            raise upstream_failure(self.name, resp.status_code, text, resp.headers,
+                                   key_hint=self.key_env)
+        try:
+            return [str(m["id"]) for m in json.loads(text)["data"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RelayError("bad_upstream_response", f"provider {self.name!r} sent a model "
+                             f"list relay cannot read: {text[:200]!r}",
+                             provider=self.name) from exc
+
+    async def run(self, call: Call, events: EventSink) -> None:
+        self._refuse_without_key()
+        body = {**call.params, "model": call.model, "messages": call.messages,
+                "stream": call.stream}
+        if call.stream:  # ask for usage always: the record wants it
+            body["stream_options"] = {**(call.params.get("stream_options") or {}),
+                                      "include_usage": True}
+        url = f"{self.base_url}/chat/completions"
+        with transport_errors(self.name):
+            async with self._client.stream("POST", url, json=body,
+                                           headers=self.headers) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode("utf-8", "replace")
+                    raise upstream_failure(self.name, resp.status_code, text, resp.headers,
+                                           key_hint=self.key_env)
+                if call.stream:
+                    await self._read_stream(resp, events)
+                else:
+                    text = (await resp.aread()).decode("utf-8", "replace")
+                    await self._emit_whole(text, events)
+
+    async def _read_stream(self, resp: Any, events: EventSink) -> None:
+        open_choices: set[int] = set()
+        finished: set[int] = set()
+        done = False
+        try:
+            # After [DONE], read on to the end of the body (bounded) so the connection can
+            # be reused and httpx's generators finish instead of being abandoned.
+            with trio.CancelScope() as tail, transport_errors(self.name, "answer"):
+                async for line in resp.aiter_lines():
+                    if done or not line.startswith("data:"):
+                        continue  # blank separators, comments, event: names
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        tail.deadline = trio.current_time() + DRAIN_AFTER_DONE_S
+                        continue
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError:
+                        await events.send(Skipped(f"not JSON: {data[:120]!r}"))
+                        continue
+                    if not isinstance(chunk, dict):
+                        await events.send(Skipped(f"not an object: {data[:120]!r}"))
+                        continue
+                    if "error" in chunk:
+                        raise _inband_error(self.name, chunk["error"])
+                    for choice in chunk.get("choices") or ():
+                        index = choice.get("index", 0)
+                        open_choices.add(index)
+                        delta = choice.get("delta") or {}
+                        content = delta.get("content")
+                        tools = delta.get("tool_calls")
+                        extra = {k: val for k, val in delta.items() if val is not None
+                                 and k not in ("role", "content", "tool_calls")}
+                        if content or tools or extra:
+                            await events.send(Delta(content=content or None, tool_calls=tools,
+                                                    extra=extra or None, index=index))
+                        reason = choice.get("finish_reason")
+                        if reason:
+                            finished.add(index)
+                            await events.send(Finish(reason, index))
+                    usage = chunk.get("usage")
+                    if isinstance(usage, dict):
+                        await events.send(_usage(usage))
+        except RelayError as exc:
+            if exc.reason == "upstream_unavailable" and not (open_choices and
+                                                             open_choices <= finished):
+                raise RelayError("stream_cut", f"provider {self.name!r} broke off the "
+                                 f"answer before it was complete: {exc.message}",
+                                 provider=self.name) from exc
+            if exc.reason != "upstream_unavailable":
+                raise
+            return  # the connection broke after every choice finished: complete
+        if not open_choices or not open_choices <= finished:
+            raise RelayError("stream_cut", f"provider {self.name!r} ended the stream before "
+                             "its final chunk: the answer is incomplete", provider=self.name)
+
+    async def _emit_whole(self, text: str, events: EventSink) -> None:
+        try:
+            body = json.loads(text)
+            choices = body["choices"]
+            if not isinstance(choices, list) or not choices:
+                raise ValueError("no choices")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RelayError("bad_upstream_response", f"provider {self.name!r} sent an "
+                             f"answer relay cannot read: {text[:300]!r}", provider=self.name,
+                             upstream_message=text) from exc
+        for choice in choices:
+            index = choice.get("index", 0)
+            message = choice.get("message") or {}
+            tools = message.get("tool_calls")
+            if tools:
+                tools = [{"index": i, **tc} for i, tc in enumerate(tools)]
+            extra = {k: val for k, val in message.items()
+                     if k not in ("role", "content", "tool_calls") and val is not None}
+            await events.send(Delta(content=message.get("content"), tool_calls=tools,
+                                    extra=extra or None, index=index))
+            reason = choice.get("finish_reason")
+            if not reason:
+                raise RelayError("bad_upstream_response", f"provider {self.name!r} sent an "
+                                 "answer without a finish_reason", provider=self.name)
+            await events.send(Finish(reason, index))
+        if isinstance(body.get("usage"), dict):
+            await events.send(_usage(body["usage"]))
+
+
+def _usage(raw: dict[str, Any]) -> Usage:
+    def num(key: str) -> int | None:
+        val = raw.get(key)
+        return val if isinstance(val, int) and not isinstance(val, bool) else None
+    return Usage(num("prompt_tokens"), num("completion_tokens"), num("total_tokens"))
+
+
+def _inband_error(provider: str, err: Any) -> RelayError:
+    message = err.get("message") if isinstance(err, dict) else str(err)
+    return RelayError("upstream_error", f"provider {provider!r} reported an error inside "
+                      f"the stream: {message}", provider=provider, upstream_message=str(message))

@@ -1,0 +1,156 @@
+"""The ``relay`` command line (SPEC 9).
+
+    relay serve [--config FILE] [--host H] [--port N]
+    relay config check [--config FILE]
+    relay status [--url URL]
+
+A config error prints every problem (file, table, key, what is wrong) and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import trio
+
+from .config import Config, load_config
+from .errors import ConfigError
+
+__all__ = ["main"]
+
+logger = logging.getLogger("relay")
+DEFAULT_URL = "http://127.0.0.1:8765"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="relay", description="A local OpenAI-API relay "
+                                     "with honest traffic control.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the daemon")
+    serve.add_argument("--config", help="config file (default: ./profiles.toml if present, "
+                       "else the packaged default)")
+    serve.add_argument("--host", help="address to bind (default from the config: 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default from the config: 8765)")
+    serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING …")
+    config = sub.add_parser("config", help="configuration tools")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser("check", help="validate and print the resolved config")
+    check.add_argument("--config")
+    status = sub.add_parser("status", help="the lanes of a running daemon")
+    status.add_argument("--url", default=os.environ.get("RELAY_URL", DEFAULT_URL))
+    return parser
+
+
+def _load(path: str | None) -> Config | None:
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        print("relay: the configuration has problems:", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return None
+    for warning in config.warnings:
+        print(f"relay: {warning}", file=sys.stderr)
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        config = _load(args.config)
+        if config is None:
+            return 2
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        trio.run(run_daemon, config, args.host, args.port)
+        return 0
+    if args.command == "config":
+        config = _load(args.config)
+        if config is None:
+            return 2
+        print(describe_config(config))
+        return 0
+    if args.command == "status":
+        return _status(args.url)
+    return 2  # pragma: no cover - argparse refuses other commands
+
+
+async def run_daemon(config: Config, host: str | None, port: int | None) -> None:
+    """Serve until SIGTERM/SIGINT: the first drains (SPEC O3), a second stops at once."""
+    from . import serve
+
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        async def watch_signals(task_status: trio.TaskStatus[None]) -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                task_status.started()
+                async for signum in signals:
+                    if not shutdown.is_set():
+                        logger.info("%s: draining (a second signal stops at once)",
+                                    signal.Signals(signum).name)
+                        shutdown.set()
+                    else:
+                        logger.info("second signal: stopping now")
+                        nursery.cancel_scope.cancel()
+
+        async def run_server(task_status: trio.TaskStatus[Any]) -> None:
+            await serve(config, host=host, port=port, shutdown=shutdown,
+                        task_status=task_status)
+            nursery.cancel_scope.cancel()  # drained: stop the signal watcher
+
+        await nursery.start(watch_signals)
+        served = await nursery.start(run_server)
+        names = ", ".join(served.relay.providers)
+        print(f"relay listening on {served.url} (config {config.source}; providers: "
+              f"{names}; records: {config.records_path})", file=sys.stderr, flush=True)
+
+
+def describe_config(config: Config) -> str:
+    server = config.server
+    lines = [f"config: {config.source}",
+             f"server: {server.host}:{server.port}  heartbeat {server.heartbeat_s:g} s, "
+             f"write timeout {server.write_timeout_s:g} s, drain grace "
+             f"{server.drain_grace_s:g} s, token "
+             f"{'from ' + server.token_env if server.token_env else 'off'}",
+             f"records: {config.records_path}", "providers:"]
+    for name, p in config.providers.items():
+        prof = p.profile
+        models = ", ".join(p.models) if p.models else "(discovered)"
+        lines.append(f"  {name}: adapter {p.adapter}; lanes {prof.lanes}, queue_max "
+                     f"{prof.queue_max}, queue_timeout {prof.queue_timeout_s:g} s, run_timeout "
+                     f"{prof.run_timeout_s:g} s, rpm {prof.rpm:g}, interrupt_grace "
+                     f"{prof.interrupt_grace_s:g} s; models: {models}")
+    if not config.providers:
+        lines.append("  (none)")
+    return "\n".join(lines)
+
+
+def _status(url: str) -> int:
+    from .http import get_json
+
+    token_env = os.environ.get("RELAY_TOKEN")
+    try:
+        code, body = get_json(url.rstrip("/") + "/relay/v1/status", token=token_env)
+    except OSError as exc:
+        print(f"relay: {exc}", file=sys.stderr)
+        return 1
+    if code != 200:
+        print(f"relay: status answered {code}: {body.get('error', {}).get('message')}",
+              file=sys.stderr)
+        return 1
+    rows = [("PROVIDER", "ADAPTER", "STATE", "RUNNING", "QUEUED", "MODELS")]
+    for name, p in body["providers"].items():
+        lanes = p["lanes"]
+        state = p["state"] + (f" ({p['state_reason']})" if p.get("state_reason") else "")
+        rows.append((name, p["adapter"], state, f"{lanes['running']}/{lanes['capacity']}",
+                     f"{lanes['queued']}/{lanes['queue_max']}",
+                     ", ".join(p["models"][:4]) + (" …" if len(p["models"]) > 4 else "")))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0

@@ -1,0 +1,373 @@
+"""Configuration: frozen attrs classes, one strict cattrs converter, every problem at once.
+
+A config file (SPEC 9) has a ``[server]`` table and one ``[providers.NAME]`` table per
+provider. A provider's keys are the common ones (`COMMON_PROVIDER_KEYS`) plus the
+settings its adapter kind declares (an attrs class on the adapter). Unknown keys are
+errors. There is no global default profile (SPEC L2): a provider's profile is its
+adapter's recommended one with the file's ``profile`` table laid over it, and a field
+that neither gives is a startup error naming the provider and the field.
+
+Loading never stops at the first problem: `load_config` collects them all and raises one
+`ConfigError` whose lines each name the file, the table and the key.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import cattrs
+from attrs import validators as v
+
+from .errors import ConfigError
+
+__all__ = [
+    "COMMON_PROVIDER_KEYS",
+    "Config",
+    "Profile",
+    "ProviderConfig",
+    "ServerConfig",
+    "default_config_path",
+    "default_state_dir",
+    "is_loopback_host",
+    "load_config",
+    "parse_config",
+]
+
+T = TypeVar("T")
+
+
+def _positive(inst: object, attr: attrs.Attribute[Any], value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"must be > 0, got {value!r}")
+
+
+def _not_negative(inst: object, attr: attrs.Attribute[Any], value: float) -> None:
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class Profile:
+    """How much traffic a provider takes (SPEC L1).
+
+    lanes: requests that run at once. queue_max: requests allowed to wait.
+    queue_timeout_s: longest wait. run_timeout_s: longest run. rpm: request starts per
+    minute (0 = unpaced). interrupt_grace_s: CLI tools, how long an interrupt may take
+    to be confirmed before the process group is killed.
+    """
+
+    lanes: int = attrs.field(validator=v.ge(1))
+    queue_max: int = attrs.field(validator=v.ge(0))
+    queue_timeout_s: float = attrs.field(validator=_positive)
+    run_timeout_s: float = attrs.field(validator=_positive)
+    rpm: float = attrs.field(default=0.0, validator=_not_negative)
+    interrupt_grace_s: float = attrs.field(default=5.0, validator=_not_negative)
+
+
+PROFILE_FIELDS = tuple(a.name for a in attrs.fields(Profile))
+REQUIRED_PROFILE_FIELDS = tuple(
+    a.name for a in attrs.fields(Profile) if a.default is attrs.NOTHING
+)
+
+
+@attrs.frozen(kw_only=True)
+class _ProfileTable:
+    """The file's ``profile`` table: every field optional, laid over the adapter's."""
+
+    lanes: int | None = None
+    queue_max: int | None = None
+    queue_timeout_s: float | None = None
+    run_timeout_s: float | None = None
+    rpm: float | None = None
+    interrupt_grace_s: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8765, validator=[v.ge(0), v.le(65535)])
+    records: str | None = None  # per-request JSON lines; relative to the config file
+    records_max_bytes: int = attrs.field(default=10 * 1024 * 1024, validator=v.ge(1024))
+    records_keep: int = attrs.field(default=3, validator=v.ge(0))
+    heartbeat_s: float = attrs.field(default=15.0, validator=_positive)
+    write_timeout_s: float = attrs.field(default=5.0, validator=_positive)
+    drain_grace_s: float = attrs.field(default=10.0, validator=_not_negative)
+    token_env: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=v.ge(1024))
+    body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+
+
+COMMON_PROVIDER_KEYS = ("adapter", "models", "prefill", "check_interval_s", "profile")
+
+
+@attrs.frozen(kw_only=True)
+class ProviderConfig:
+    name: str
+    adapter: str
+    profile: Profile
+    settings: Any  # the adapter kind's own attrs settings instance
+    models: tuple[str, ...] = ()
+    models_configured: bool = False  # the file listed them: only those are accepted
+    prefill: bool = False
+    check_interval_s: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    server: ServerConfig
+    providers: Mapping[str, ProviderConfig]
+    source: str  # the file it came from, or "<packaged default>"
+    records_path: Path | None  # None: records off (tests)
+    warnings: tuple[str, ...] = ()
+
+
+# --- the converter: strict scalars, unknown keys forbidden ------------------------------
+
+def _strict(kind: type[T], *, allow: tuple[type, ...] = ()) -> Any:
+    ok = (kind, *allow)
+
+    def structure(value: Any, _: Any) -> T:
+        if isinstance(value, bool) and kind is not bool:
+            raise TypeError(f"expected {kind.__name__}, got a boolean")
+        if not isinstance(value, ok):
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+        return kind(value)  # type: ignore[call-arg]
+
+    return structure
+
+
+converter = cattrs.Converter(forbid_extra_keys=True)
+converter.register_structure_hook(int, _strict(int))
+converter.register_structure_hook(float, _strict(float, allow=(int,)))
+converter.register_structure_hook(bool, _strict(bool))
+converter.register_structure_hook(str, _strict(str))
+
+
+def _describe(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, ValueError | TypeError) and not isinstance(
+            exc, cattrs.ForbiddenExtraKeysError):
+        return str(exc)
+    return cattrs.v.format_exception(exc, type_)
+
+
+def structure_table(data: Any, cls: type[T], path: str, problems: list[str]) -> T | None:
+    """Structure ``data`` into ``cls``; on failure add one line per problem (with its
+    dotted path) to ``problems`` and return None."""
+    if not isinstance(data, dict):
+        problems.append(f"[{path}]: must be a table, got {type(data).__name__}")
+        return None
+    try:
+        return converter.structure(data, cls)
+    except cattrs.BaseValidationError as exc:
+        for line in cattrs.transform_error(exc, path=path, format_exception=_describe):
+            message, _, where = line.rpartition(" @ ")
+            problems.append(f"{_table_key(where)}: {message}")
+    except (ValueError, TypeError) as exc:  # an attrs validator outside cattrs' reach
+        problems.append(f"[{path}]: {exc}")
+    return None
+
+
+def _table_key(dotted: str) -> str:
+    """``providers.lm.profile.lanes`` → ``[providers.lm.profile] lanes``."""
+    table, _, key = dotted.rpartition(".")
+    return f"[{table}] {key}" if table else f"[{dotted}]"
+
+
+# --- loading -----------------------------------------------------------------------------
+
+def is_loopback_host(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost.", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def default_state_dir() -> Path:
+    """Where relay keeps its records with the packaged default config (SPEC A5)."""
+    home = Path.home()
+    if sys.platform == "darwin":
+        return home / "Library" / "Application Support" / "relay"
+    if sys.platform == "win32":
+        return Path(os.environ.get("LOCALAPPDATA", home / "AppData" / "Local")) / "relay"
+    state = os.environ.get("XDG_STATE_HOME")
+    return (Path(state) if state else home / ".local" / "state") / "relay"
+
+
+def default_config_path() -> Path:
+    """``./profiles.toml`` if present, else the packaged default (SPEC 9)."""
+    local = Path("profiles.toml")
+    if local.is_file():
+        return local
+    return Path(__file__).with_name("profiles.toml")
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+    """Read and validate a config file (default: `default_config_path`).
+
+    Raises:
+        ConfigError: listing every problem, each with file, table and key.
+    """
+    file = Path(path) if path is not None else default_config_path()
+    packaged = file.resolve() == Path(__file__).with_name("profiles.toml").resolve()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"{file}: cannot read: {exc.strerror or exc}"]) from exc
+    return parse_config(text, source=str(file), base_dir=file.parent, packaged=packaged)
+
+
+def parse_config(
+    text: str, *, source: str = "<config>", base_dir: Path | None = None,
+    packaged: bool = False, environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Validate config text; see `load_config`. ``environ`` defaults to os.environ."""
+    from adapters import ADAPTERS  # the registry; imported late: adapters import this module
+
+    env = os.environ if environ is None else environ
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{source}: not valid TOML: {exc}"]) from exc
+
+    problems: list[str] = []
+    warnings: list[str] = []
+    for key in data:
+        if key not in ("server", "providers"):
+            problems.append(f"[{key}]: unknown table (expected [server] or [providers.NAME])")
+
+    server = structure_table(data.get("server", {}), ServerConfig, "server", problems)
+    if server is not None:
+        _check_server(server, env, problems)
+
+    providers: dict[str, ProviderConfig] = {}
+    raw_providers = data.get("providers", {})
+    if not isinstance(raw_providers, dict):
+        problems.append("[providers]: must be a table of [providers.NAME] tables")
+        raw_providers = {}
+    for name, table in raw_providers.items():
+        provider = _load_provider(name, table, ADAPTERS, problems, warnings)
+        if provider is not None:
+            providers[name] = provider
+
+    if problems:
+        raise ConfigError([f"{source}: {p}" for p in problems])
+    assert server is not None
+    records: Path | None
+    if server.records is not None:
+        records = Path(server.records).expanduser()
+        if not records.is_absolute():
+            records = (base_dir or Path.cwd()) / records
+    else:
+        records = default_state_dir() / "relay-requests.jsonl"
+    del packaged  # the packaged default never names a records path: it uses the state dir
+    return Config(server=server, providers=providers, source=source, records_path=records,
+                  warnings=tuple(f"{source}: {w}" for w in warnings))
+
+
+def _check_server(server: ServerConfig, env: Mapping[str, str], problems: list[str]) -> None:
+    if server.token_env is not None and not env.get(server.token_env):
+        problems.append(f"[server] token_env: the environment variable {server.token_env} "
+                        "is not set (or empty); clients must send its value as a bearer token")
+    if not is_loopback_host(server.host):
+        if server.token_env is None:
+            problems.append(f"[server] token_env: required when host is {server.host!r} "
+                            "(not a loopback address): name the variable holding the token")
+        if not server.allowed_hosts:
+            problems.append(f"[server] allowed_hosts: required when host is {server.host!r}: "
+                            "list the Host names clients use to reach relay")
+
+
+def _load_provider(
+    name: str, table: Any, registry: Mapping[str, Any],
+    problems: list[str], warnings: list[str],
+) -> ProviderConfig | None:
+    where = f"providers.{name}"
+    if not name or "/" in name or name != name.strip():
+        problems.append(f"[{where}]: a provider name must be non-empty and contain no '/' "
+                        "(clients write PROVIDER/MODEL)")
+        return None
+    if not isinstance(table, dict):
+        problems.append(f"[{where}]: must be a table")
+        return None
+    kind = table.get("adapter")
+    if kind is None:
+        problems.append(f"[{where}] adapter: missing; one of: {', '.join(sorted(registry))}")
+        return None
+    adapter = registry.get(kind) if isinstance(kind, str) else None
+    if adapter is None:
+        problems.append(f"[{where}] adapter: unknown adapter kind {kind!r}; "
+                        f"known kinds: {', '.join(sorted(registry))}")
+        return None
+
+    before = len(problems)
+    common = {k: table[k] for k in COMMON_PROVIDER_KEYS if k in table}
+    rest = {k: val for k, val in table.items() if k not in COMMON_PROVIDER_KEYS}
+    settings = structure_table(rest, adapter.Settings, where, problems)
+    if settings is not None:
+        for key, message in adapter.settings_problems(settings):
+            problems.append(f"[{where}] {key}: {message}")
+
+    models: tuple[str, ...] = ()
+    if "models" in common:
+        m = common["models"]
+        if not (isinstance(m, list) and all(isinstance(x, str) and x for x in m)):
+            problems.append(f"[{where}] models: must be a list of non-empty strings")
+        else:
+            models = tuple(m)
+    prefill = common.get("prefill", adapter.prefill)
+    if not isinstance(prefill, bool):
+        problems.append(f"[{where}] prefill: expected true or false")
+    interval = common.get("check_interval_s")
+    if interval is not None and (isinstance(interval, bool)
+                                 or not isinstance(interval, int | float) or interval <= 0):
+        problems.append(f"[{where}] check_interval_s: must be a number of seconds > 0")
+
+    overrides = structure_table(common.get("profile", {}), _ProfileTable,
+                                f"{where}.profile", problems)
+    if settings is None or overrides is None or len(problems) > before:
+        return None
+
+    recommended = adapter.recommended_profile(settings)
+    fields = attrs.asdict(recommended) if recommended is not None else {}
+    fields.update({k: val for k, val in attrs.asdict(overrides).items() if val is not None})
+    missing = [f for f in REQUIRED_PROFILE_FIELDS if f not in fields]
+    if missing:
+        problems.append(
+            f"[{where}.profile] {', '.join(missing)}: adapter {kind!r} declares no "
+            f"recommended profile here, so provider {name!r} must set "
+            f"{', '.join(missing)} (relay has no global default profile)")
+        return None
+    try:
+        profile = Profile(**fields)
+    except (ValueError, TypeError) as exc:
+        problems.append(f"[{where}.profile]: {exc}")
+        return None
+
+    max_call = adapter.max_call_s(settings)
+    if profile.run_timeout_s < max_call:
+        problems.append(
+            f"[{where}.profile] run_timeout_s: {profile.run_timeout_s:g} s is shorter than "
+            f"the {max_call:g} s a call to adapter {kind!r} may take; it would cut "
+            f"legitimate calls off. Raise it to at least {max_call:g}.")
+        return None
+    typical = adapter.typical_call_s(settings)
+    if profile.lanes == 1 and profile.queue_timeout_s < typical:
+        warnings.append(
+            f"[{where}.profile] queue_timeout_s: WARNING {profile.queue_timeout_s:g} s with "
+            f"1 lane is shorter than a typical {kind!r} call ({typical:g} s): a request "
+            "queued behind one running call will time out in the queue.")
+    return ProviderConfig(
+        name=name, adapter=kind, profile=profile, settings=settings, models=models,
+        models_configured=bool(models), prefill=prefill,
+        check_interval_s=float(interval) if interval is not None else None)

@@ -1,0 +1,170 @@
+"""Every failure a client can see, as one small tree.
+
+A failure is a `RelayError` with a stable ``reason``. The reason decides everything else:
+the ``phase`` (which part of the path failed), the HTTP status, OpenAI's error ``type``,
+and whether a retry could help. SPEC E1 is the table; `REASONS` below is that table in
+code, and the only place it lives::
+
+    RelayError(reason, message, ...)
+      phase capacity    429  provider_queue_full, provider_queue_timeout   (+ Retry-After)
+      phase quota       429  quota_exhausted                               (Retry-After 600)
+      phase rate_limit  429  rate_limited                         (+ the provider's Retry-After)
+      phase auth        502  auth_required                                 (upstream said 401/403)
+      phase timeout     504  run_timeout, attempt_timeout, first_token_timeout,
+                             stall_timeout, budget_exhausted
+      phase upstream    502  upstream_unavailable, upstream_error, bad_upstream_response,
+                             stream_cut
+      phase rejected    400  context_too_long; rejected (the provider's own 4xx)
+      phase request     4xx  unsupported, invalid_request, unknown_model, unauthorized,
+                             forbidden_origin, bad_host
+      phase shutdown    503  shutting_down                                 (+ Retry-After)
+      phase internal    500  internal_error
+
+    ConfigError         not a client's failure: the config file is wrong (exit 2)
+
+Foreign exceptions are translated once, at the boundary where they happen, with
+``raise RelayError(...) from exc``; nothing else in relay inspects httpx or OS errors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Final
+
+import attrs
+
+__all__ = ["REASONS", "ConfigError", "Reason", "RelayError"]
+
+
+@attrs.frozen
+class Reason:
+    phase: str
+    status: int
+    type: str
+    # x-should-retry: only where waiting and sending the same request again can help.
+    should_retry: bool = False
+    retry_after_s: float | None = None  # fixed Retry-After for this reason, if any
+
+
+REASONS: Final[dict[str, Reason]] = {
+    "provider_queue_full": Reason("capacity", 429, "rate_limit_error", True),
+    "provider_queue_timeout": Reason("capacity", 429, "rate_limit_error", True),
+    "quota_exhausted": Reason("quota", 429, "insufficient_quota", False, 600.0),
+    "rate_limited": Reason("rate_limit", 429, "rate_limit_error", True),
+    "auth_required": Reason("auth", 502, "authentication_error"),
+    "run_timeout": Reason("timeout", 504, "timeout_error"),
+    "attempt_timeout": Reason("timeout", 504, "timeout_error"),
+    "first_token_timeout": Reason("timeout", 504, "timeout_error"),
+    "stall_timeout": Reason("timeout", 504, "timeout_error"),
+    "budget_exhausted": Reason("timeout", 504, "timeout_error"),
+    "upstream_unavailable": Reason("upstream", 502, "server_error"),
+    "upstream_error": Reason("upstream", 502, "server_error"),
+    "bad_upstream_response": Reason("upstream", 502, "server_error"),
+    "stream_cut": Reason("upstream", 502, "server_error"),
+    "context_too_long": Reason("rejected", 400, "invalid_request_error"),
+    "rejected": Reason("rejected", 400, "invalid_request_error"),
+    "unsupported": Reason("request", 400, "invalid_request_error"),
+    "invalid_request": Reason("request", 400, "invalid_request_error"),
+    "unknown_model": Reason("request", 404, "invalid_request_error"),
+    "unauthorized": Reason("request", 401, "authentication_error"),
+    "forbidden_origin": Reason("request", 403, "invalid_request_error"),
+    "bad_host": Reason("request", 403, "invalid_request_error"),
+    "shutting_down": Reason("shutdown", 503, "server_error", False, 5.0),
+    "internal_error": Reason("internal", 500, "server_error"),
+}
+
+
+class RelayError(Exception):
+    """A failure with a stable reason; see the module docstring for the tree.
+
+    Args:
+        reason: a key of `REASONS`.
+        message: what happened and what to do, for a person.
+        status: overrides the reason's status (a provider's own 4xx for ``rejected``;
+            413/415/408 for bodies that are too large, not JSON, or too slow).
+        provider: the provider that failed, if any.
+        retry_after_s: when a retry may help; becomes ``Retry-After``.
+        action: what the user should do (``auth_required``: how to log in).
+        upstream_status, upstream_message: the provider's own status and words, whole.
+        param: the request field at fault, as OpenAI's ``param``.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        *,
+        status: int | None = None,
+        provider: str | None = None,
+        retry_after_s: float | None = None,
+        action: str | None = None,
+        upstream_status: int | None = None,
+        upstream_message: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        if reason not in REASONS:
+            raise ValueError(f"unknown relay error reason {reason!r}")
+        super().__init__(message)
+        spec = REASONS[reason]
+        self.reason = reason
+        self.message = message
+        self.status = status if status is not None else spec.status
+        self.provider = provider
+        self.retry_after_s = retry_after_s if retry_after_s is not None else spec.retry_after_s
+        self.action = action
+        self.upstream_status = upstream_status
+        self.upstream_message = upstream_message
+        self.param = param
+
+    @property
+    def phase(self) -> str:
+        return REASONS[self.reason].phase
+
+    @property
+    def type(self) -> str:
+        return REASONS[self.reason].type
+
+    @property
+    def should_retry(self) -> bool:
+        return REASONS[self.reason].should_retry
+
+    def __repr__(self) -> str:
+        return f"RelayError({self.reason!r}, {self.message!r})"
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI-shaped error body (SPEC E1); ``upstream_message`` is never cut."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "code": self.reason,
+                "param": self.param,
+                "relay": {
+                    "phase": self.phase,
+                    "reason": self.reason,
+                    "provider": self.provider,
+                    "retry_after_s": self.retry_after_s,
+                    "action": self.action,
+                    "upstream_status": self.upstream_status,
+                    "upstream_message": self.upstream_message,
+                },
+            }
+        }
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """``x-should-retry`` always; ``Retry-After`` (whole seconds) where it helps."""
+        out = [(b"x-should-retry", b"true" if self.should_retry else b"false")]
+        if self.retry_after_s is not None and (self.should_retry or self.phase in
+                                               ("quota", "shutdown")):
+            seconds = max(1, math.ceil(self.retry_after_s))
+            out.append((b"retry-after", str(seconds).encode()))
+        return out
+
+
+class ConfigError(Exception):
+    """The configuration is wrong; ``problems`` lists every problem found, each with its
+    file, table and key."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid configuration:\n  " + "\n  ".join(problems))

@@ -1,0 +1,80 @@
+"""What an adapter is given (`Call`) and what it emits (`Delta`, `Finish`, `Usage`).
+
+Every provider's answer is normalised to these few events (SPEC F8), so the writer, the
+records and the fallback logic never see a provider's own wire format. An adapter sends
+them to an `EventSink` and returns when the answer is complete; a call that ends without
+a `Finish` for every choice is a cut-off answer, never a complete one (SPEC E4).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+
+__all__ = ["Call", "Delta", "Event", "EventSink", "Finish", "Skipped", "Usage"]
+
+
+@attrs.frozen(kw_only=True)
+class Call:
+    """One attempt's request, as an adapter sees it.
+
+    ``params`` holds every request field relay does not interpret itself (``max_tokens``,
+    ``tools``, ``response_format``, ``seed``, …), exactly as the client sent them, so an
+    OpenAI-compatible adapter can pass them through unchanged (SPEC A1).
+    """
+
+    request_id: str
+    provider: str
+    model: str
+    messages: list[dict[str, Any]]
+    stream: bool
+    params: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen(slots=True)
+class Delta:
+    """A piece of one choice's answer: text, tool-call deltas (OpenAI's delta shape), and
+    any other delta fields the provider sent (``reasoning_content``, ``refusal``, …)."""
+
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    extra: dict[str, Any] | None = None
+    index: int = 0
+
+
+@attrs.frozen(slots=True)
+class Finish:
+    """The choice is complete. ``reason`` is OpenAI's ``finish_reason``: ``stop``,
+    ``length`` (cut off: reported as such, SPEC E4), ``tool_calls``, ``content_filter``."""
+
+    reason: str
+    index: int = 0
+
+
+@attrs.frozen(slots=True)
+class Usage:
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+
+    def as_dict(self) -> dict[str, int | None]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen(slots=True)
+class Skipped:
+    """The provider sent something unreadable that relay skipped (a malformed stream
+    event); it goes to the request's record, never to the client."""
+
+    detail: str
+
+
+Event = Delta | Finish | Usage | Skipped
+
+
+class EventSink(Protocol):
+    """Where an adapter sends its events. ``send`` may block (backpressure from a slow
+    client) and is cancellable like every await."""
+
+    async def send(self, event: Event) -> None: ...

@@ -1,0 +1,228 @@
+"""Lanes: how many requests a provider runs at once, and the queue in front of them.
+
+Theory of operation. A `Lane` owns ``capacity`` slots. ``async with lane.slot(priority)``
+either takes a free slot at once or waits in a priority queue (interactive before
+normal before background, FIFO inside a class, SPEC L8). A freed slot is handed straight
+to the next waiter (no barging), and only when the pacer allows a start (SPEC L9): the
+waiter itself sleeps until the pacer's next start time, so the wait counts as queue time,
+is cancellable, and no slot is taken while it cannot be used.
+
+The slot is the body of the ``async with``: the caller runs its adapter inside it, so the
+slot is given back only after the adapter's scope has exited, cleanup included (SPEC L6).
+
+Edges:
+- queue full → ``provider_queue_full`` at once; waited past ``queue_timeout_s`` →
+  ``provider_queue_timeout`` (SPEC L7), each with an honest estimate of when to retry;
+- a waiter cancelled in the very tick it is granted a slot hands the slot back (a naive
+  limiter leaks it, notes/trio-stack.md Q5);
+- `update_profile` changes capacity and limits in place: running work is never revoked,
+  waiters are granted at once when capacity grows (SPEC L10).
+
+All bookkeeping is synchronous between checkpoints, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from .config import Profile
+from .errors import RelayError
+
+__all__ = ["PRIORITIES", "Lane", "LaneStatistics", "Ticket"]
+
+PRIORITIES = {"interactive": 0, "normal": 1, "background": 2}
+
+
+@attrs.frozen
+class LaneStatistics:
+    running: int
+    capacity: int
+    queued: int
+    queue_max: int
+
+
+@attrs.define(eq=False)
+class Ticket:
+    """One holder of a slot: when it queued, started and released (monotonic times)."""
+
+    priority: str
+    queued_at: float
+    started_at: float | None = None
+    released_at: float | None = None
+
+    @property
+    def queue_s(self) -> float:
+        end = self.started_at if self.started_at is not None else trio.current_time()
+        return end - self.queued_at
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    rank: int
+    seq: int
+    event: trio.Event = attrs.field(factory=trio.Event)
+    granted: bool = False
+    cancelled: bool = False
+
+    def __lt__(self, other: _Waiter) -> bool:
+        return (self.rank, self.seq) < (other.rank, other.seq)
+
+
+class Lane:
+    """The slots and queue of one provider. See the module docstring."""
+
+    def __init__(self, name: str, profile: Profile, *, expected_run_s: float = 10.0) -> None:
+        self.name = name
+        self._profile = profile
+        self._borrowed = 0
+        self._live = 0  # waiters neither granted nor cancelled
+        self._heap: list[_Waiter] = []
+        self._seq = itertools.count()
+        self._next_start = -math.inf  # the pacer's earliest next start
+        # A running average of how long a slot is held, for honest Retry-After figures.
+        self._avg_run_s = expected_run_s
+
+    @property
+    def profile(self) -> Profile:
+        return self._profile
+
+    def update_profile(self, profile: Profile) -> None:
+        """Apply a reloaded profile in place: never revokes a running slot."""
+        self._profile = profile
+        self._hand_off()
+
+    def statistics(self) -> LaneStatistics:
+        return LaneStatistics(running=self._borrowed, capacity=self._profile.lanes,
+                              queued=self._live, queue_max=self._profile.queue_max)
+
+    def estimate_wait_s(self) -> float:
+        """When a request arriving now could expect to start, roughly (for Retry-After)."""
+        now = trio.current_time()
+        pace = max(0.0, self._next_start - now)
+        lanes = max(1, self._profile.lanes)
+        if self._borrowed < lanes and self._live == 0:
+            return pace
+        turns = (self._live + 1) / lanes
+        return max(pace, self._avg_run_s * turns)
+
+    @asynccontextmanager
+    async def slot(
+        self, priority: str = "normal", *, on_queued: Callable[[], None] | None = None,
+    ) -> AsyncIterator[Ticket]:
+        """Hold one slot for the body of the ``async with``.
+
+        Args:
+            priority: ``interactive``, ``normal`` or ``background``.
+            on_queued: called (synchronously) when the request has to wait.
+
+        Raises:
+            RelayError: ``provider_queue_full`` or ``provider_queue_timeout``.
+        """
+        ticket = await self._acquire(priority, on_queued)
+        try:
+            yield ticket
+        finally:
+            self._release(ticket)
+
+    async def _acquire(self, priority: str, on_queued: Callable[[], None] | None) -> Ticket:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        now = trio.current_time()
+        ticket = Ticket(priority=priority, queued_at=now)
+        if self._borrowed < self._profile.lanes and self._live == 0 and now >= self._next_start:
+            self._take(ticket, now)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return ticket
+        if self._live >= self._profile.queue_max:
+            raise self._capacity_error("provider_queue_full")
+
+        waiter = _Waiter(PRIORITIES[priority], next(self._seq))
+        heapq.heappush(self._heap, waiter)
+        self._live += 1
+        if on_queued is not None:
+            on_queued()
+        try:
+            with trio.move_on_at(now + self._profile.queue_timeout_s):
+                while not waiter.granted:
+                    pacer = self._next_start
+                    with trio.move_on_at(pacer if pacer > trio.current_time() else math.inf):
+                        await waiter.event.wait()
+                    if not waiter.granted:
+                        self._hand_off()  # the pacer allows a start now
+        except BaseException:
+            # Cancelled from outside (client gone, shutdown) or anything else. Granted in
+            # the same tick? Then the slot is ours and must go back, or it leaks.
+            if waiter.granted:
+                self._give_back()
+            else:
+                self._forget(waiter)
+            raise
+        if not waiter.granted:
+            self._forget(waiter)
+            raise self._capacity_error("provider_queue_timeout", waited_s=trio.current_time() - now)
+        ticket.started_at = trio.current_time()
+        return ticket
+
+    def _take(self, ticket: Ticket, now: float) -> None:
+        self._borrowed += 1
+        ticket.started_at = now
+        self._pace(now)
+
+    def _pace(self, now: float) -> None:
+        if self._profile.rpm > 0:
+            self._next_start = now + 60.0 / self._profile.rpm
+
+    def _hand_off(self) -> None:
+        """Give free slots to the first waiters, as far as the pacer allows."""
+        now = trio.current_time()
+        while self._borrowed < self._profile.lanes and self._live > 0:
+            if now < self._next_start:
+                return  # the waiters wake at the pacer's next start and call this again
+            waiter = heapq.heappop(self._heap)
+            if waiter.cancelled:
+                continue
+            self._borrowed += 1
+            self._live -= 1
+            waiter.granted = True
+            waiter.event.set()
+            self._pace(now)
+
+    def _forget(self, waiter: _Waiter) -> None:
+        waiter.cancelled = True
+        self._live -= 1
+        if len(self._heap) > 2 * self._live + 16:  # lazy deletion: compact now and then
+            self._heap = [w for w in self._heap if not w.cancelled]
+            heapq.heapify(self._heap)
+
+    def _give_back(self) -> None:
+        self._borrowed -= 1
+        self._hand_off()
+
+    def _release(self, ticket: Ticket) -> None:
+        now = trio.current_time()
+        ticket.released_at = now
+        if ticket.started_at is not None:
+            self._avg_run_s += 0.2 * ((now - ticket.started_at) - self._avg_run_s)
+        self._give_back()
+
+    def _capacity_error(self, reason: str, waited_s: float | None = None) -> RelayError:
+        stats = self.statistics()
+        retry = max(1.0, self.estimate_wait_s())
+        numbers = (f"{stats.running}/{stats.capacity} running, {stats.queued} queued "
+                   f"(queue_max {stats.queue_max})")
+        if reason == "provider_queue_full":
+            message = (f"provider {self.name!r} is at capacity: {numbers}. This request was "
+                       f"not started. Retry in about {math.ceil(retry)} s, when earlier "
+                       "requests (connection checks included) have finished.")
+        else:
+            message = (f"waited {waited_s or 0:.0f} s for earlier requests to provider "
+                       f"{self.name!r} (connection checks included) to finish: {numbers}. "
+                       f"This request was not started. Retry in about {math.ceil(retry)} s, "
+                       "once they have finished.")
+        return RelayError(reason, message, provider=self.name, retry_after_s=retry)

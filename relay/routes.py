@@ -1,0 +1,83 @@
+"""The plain JSON routes, served by Quart: models, status, health.
+
+Quart's own 60 s response and body timeouts are off (notes/trio-stack.md: they cut long
+responses silently); relay owns its deadlines. Every error here is an E1 body too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import trio
+from quart import Response
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from .errors import RelayError
+
+if TYPE_CHECKING:
+    from .core import Relay
+
+__all__ = ["make_quart_app"]
+
+
+def _error(error: RelayError) -> Response:
+    response = Response(_json(error.body()), status=error.status,
+                        content_type="application/json")
+    for key, value in error.headers():
+        response.headers[key.decode()] = value.decode()
+    return response
+
+
+def _json(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def make_quart_app(relay: Relay) -> QuartTrio:
+    from .core import provider_status
+
+    app = QuartTrio("relay")
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = None
+    app.config["MAX_CONTENT_LENGTH"] = None  # the guard limits bodies
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        status = "draining" if relay.draining else "ok"
+        return Response(_json({"status": status}), content_type="application/json")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        async with trio.open_nursery() as nursery:
+            for provider in relay.providers.values():
+                nursery.start_soon(provider.refresh_models)
+        data = [{"id": ident, "object": "model", "created": 0,
+                 "owned_by": ident.partition("/")[0]} for ident in relay.model_ids()]
+        return Response(_json({"object": "list", "data": data}),
+                        content_type="application/json")
+
+    @app.get("/relay/v1/status")
+    async def status() -> Response:
+        body = {"providers": {name: provider_status(p, relay.clock)
+                              for name, p in relay.providers.items()},
+                "draining": relay.draining}
+        return Response(_json(body), content_type="application/json")
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        code = exc.code or 500
+        if code >= 500:
+            return _error(RelayError("internal_error", exc.description or "internal error"))
+        return _error(RelayError("invalid_request", f"{exc.name}: no route "
+                                 "here answers this request" if code in (404, 405)
+                                 else f"{exc.name}: {exc.description}", status=code))
+
+    @app.errorhandler(Exception)
+    async def crashed(exc: Exception) -> Response:
+        app.logger.error("route crashed", exc_info=exc)
+        return _error(RelayError("internal_error", f"relay failed unexpectedly "
+                                 f"({type(exc).__name__}); see its log"))
+
+    return app

@@ -1,0 +1,119 @@
+"""The listener loop: hypercorn's HTTP machinery, with relay's own accept loop.
+
+Why not ``hypercorn.trio.serve``: hypercorn shields every socket write with no deadline,
+so one client that stops reading blocks its request, and even shutdown, forever
+(notes/trio-stack.md Q2, Q4; pgjones/hypercorn#262). relay serves connections with a
+`TCPServer` subclass whose writes keep hypercorn's shield but get a deadline inside it
+(``[server] write_timeout_s``): a reader that takes nothing for that long is dropped, and
+its request sees ``http.disconnect`` and stops like any other. The subclass is handed to
+``trio.serve_listeners`` directly, so hypercorn's module globals are never touched (an
+embedding program's own hypercorn servers are unaffected). hypercorn is pinned (0.18.*)
+and a test drives a stalled reader through it.
+
+Shutdown: `serve_http` stops accepting when ``shutdown`` is set, lets idle keep-alive
+connections close, drains the relay (grace, then ``shutting_down``), and returns. A
+cancel of the caller's scope stops everything at once (SPEC O2).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+from hypercorn.config import Config as HyperConfig
+from hypercorn.events import Closed, RawData
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import wrap_app
+
+if TYPE_CHECKING:
+    from .core import Relay
+
+__all__ = ["BoundedWriteTCPServer", "Served", "serve_http"]
+
+logger = logging.getLogger(__name__)
+
+
+class BoundedWriteTCPServer(TCPServer):
+    """hypercorn's connection handler, with every socket write bounded in time."""
+
+    def __init__(self, *args: Any, write_timeout_s: float) -> None:
+        super().__init__(*args)
+        self.write_timeout_s = write_timeout_s
+
+    async def protocol_send(self, event: Any) -> None:
+        if not isinstance(event, RawData):
+            await super().protocol_send(event)
+            return
+        async with self.send_lock:
+            try:
+                # Keep hypercorn's shield (a half-written frame poisons the connection),
+                # but bound it: the deadline is inside the shield.
+                with trio.CancelScope(shield=True), trio.fail_after(self.write_timeout_s):
+                    await self.stream.send_all(event.data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+                await self.stream.aclose()  # closes even when cancelled; wakes the reader
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                    await self.protocol.handle(Closed())  # → http.disconnect → stop
+
+
+@attrs.frozen
+class Served:
+    """What `serve_http` (and `relay.serve`) report once listening."""
+
+    relay: Relay
+    urls: list[str]
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+
+async def serve_http(
+    relay: Relay, *, host: str | None = None, port: int | None = None,
+    shutdown: trio.Event | None = None,
+    task_status: trio.TaskStatus[Served] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``relay.app`` until cancelled, or until ``shutdown`` is set (then drain)."""
+    server = relay.config.server
+    host = host if host is not None else server.host
+    port = port if port is not None else server.port
+    cfg = HyperConfig()
+    cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    cfg.accesslog = None
+    cfg.read_timeout = None  # it runs while a response streams and would cut it
+    # relay's drain must end before hypercorn's own grace does (DESIGN).
+    cfg.graceful_timeout = server.drain_grace_s + 30.0
+    app = wrap_app(relay.app, cfg.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+    sockets = cfg.create_sockets()
+    listeners = []
+    urls = []
+    for sock in sockets.insecure_sockets:
+        sock.listen(cfg.backlog)
+        listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+        name, bound_port = sock.getsockname()[:2]
+        urls.append(f"http://[{name}]:{bound_port}" if ":" in name
+                    else f"http://{name}:{bound_port}")
+    context = WorkerContext(None)
+    handler = partial(BoundedWriteTCPServer, app, cfg, context, ConnectionState({}),
+                      write_timeout_s=server.write_timeout_s)
+    async with trio.open_nursery() as connections:
+        async with trio.open_nursery() as accepting:
+            accepting.start_soon(partial(trio.serve_listeners, handler, listeners,
+                                         handler_nursery=connections))
+            task_status.started(Served(relay, urls))
+            if shutdown is None:
+                await trio.sleep_forever()
+            await shutdown.wait()
+            logger.info("relay is draining: no new connections; in-flight requests get "
+                        "%g s", server.drain_grace_s)
+            accepting.cancel_scope.cancel()
+        for listener in listeners:
+            await listener.aclose()
+        await context.terminated.set()  # idle keep-alive connections close now
+        await relay.drain(server.drain_grace_s)
+        connections.cancel_scope.cancel()

@@ -1,0 +1,112 @@
+"""Shared test helpers: a relay assembled from config text, served on loopback port 0.
+
+Assembled tests go config text → `relay.serve` (the embedding API) → real HTTP on
+loopback, with fake upstream servers (`upstream.py`) behind the ``openai`` adapter.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from upstream import FakeUpstream, serve_fake_upstream
+
+import relay
+from relay import Served, parse_config
+
+
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Default record locations resolve under the test's own folder, never ~/.local/state.
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def config_from(text: str, tmp_path: Path, **kw: Any) -> relay.Config:
+    return parse_config(textwrap.dedent(text), source="test.toml", base_dir=tmp_path, **kw)
+
+
+async def start_relay(nursery: trio.Nursery, text: str, tmp_path: Path) -> Served:
+    config = config_from(text, tmp_path)
+    served: Served = await nursery.start(functools.partial(relay.serve, config, port=0))
+    return served
+
+
+@pytest.fixture
+async def upstream(nursery: trio.Nursery) -> FakeUpstream:
+    up: FakeUpstream = await nursery.start(serve_fake_upstream)
+    return up
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(30.0)) as c:
+        yield c
+
+
+def records(tmp_path: Path, name: str = "records.jsonl") -> list[dict[str, Any]]:
+    path = tmp_path / name
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def chat(model: str, content: str = "hello", **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def sse_events(text: str) -> list[Any]:
+    """The `data:` payloads of an SSE body, JSON-decoded ("[DONE]" kept as a string)."""
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                data = line[6:]
+                out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def wait_for(predicate: Any, *, limit_s: float = 5.0, step: float = 0.005) -> None:
+    """Wait (bounded) for a condition that no event announces, checking it every step."""
+    with trio.fail_after(limit_s):
+        while not predicate():
+            await trio.sleep(step)
+
+
+def lane_idle(served: Served) -> bool:
+    return all(p.lane.statistics().running == 0 and p.lane.statistics().queued == 0
+               for p in served.relay.providers.values())
+
+
+FAKE_ONLY = """
+[server]
+records = "records.jsonl"
+[providers.fake]
+adapter = "fake"
+models = ["echo"]
+"""
+
+
+def with_upstream(up: FakeUpstream, profile: str = "", extra: str = "") -> str:
+    """A config with the fake provider and an ``up`` provider at the fake upstream."""
+    return FAKE_ONLY + f"""
+[providers.up]
+adapter = "openai"
+base_url = "{up.url}"
+models = ["m1", "m2", "slow", "stall", "cut", "Qwen/Qwen3-8B"]
+{extra}
+[providers.up.profile]
+lanes = 1
+queue_max = 4
+queue_timeout_s = 10
+run_timeout_s = 20
+{profile}
+"""
