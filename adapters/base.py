@@ -84,6 +84,10 @@ class Adapter:
                     f"{key!r}; remove it or choose another provider",
                     provider=self.name, param=key)
 
+    def listed_name(self, model: str) -> str:
+        """The name under which ``model`` would be listed (the fake strips its options)."""
+        return model
+
     async def run(self, call: Call, events: EventSink) -> None:
         raise NotImplementedError
 

@@ -80,6 +80,9 @@ class FakeAdapter(Adapter):
                              "choice only; 'n' must be 1", provider=self.name, param="n")
         self._knobs(call.model)
 
+    def listed_name(self, model: str) -> str:
+        return model.partition("?")[0]
+
     def _knobs(self, model: str) -> dict[str, Any]:
         _, _, query = model.partition("?")
         knobs: dict[str, Any] = attrs.asdict(self.settings)

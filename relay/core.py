@@ -53,7 +53,8 @@ class Provider:
     def accepts(self, model: str) -> bool:
         """A provider whose models the file lists takes only those; others take any name
         (a discovered list may be stale, and the upstream names its own 404)."""
-        return not self.config.models_configured or model in self.config.models
+        return (not self.config.models_configured
+                or self.adapter.listed_name(model) in self.config.models)
 
     async def refresh_models(self, *, force: bool = False) -> None:
         """Discover models, bounded in time; a failure keeps what was known."""

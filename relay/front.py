@@ -367,31 +367,33 @@ class ChatRequest:
 
     async def serve(self, body: bytes) -> None:
         record = self.record
+        ended = False
         try:
             try:
                 call, provider, priority = self._prepare(body)
             except RelayError as exc:
                 self._fail(exc)
                 await send_error(self.send, exc)
+                ended = True
                 return
             await self._run(call, provider, priority)
-        except trio.Cancelled:
-            # Cancelled from outside this request (the server nursery: shutdown).
-            if record.stop_requested_at is None:
-                record.stop_requested_at = trio.current_time()
-            if record.reason is None:
-                record.status, record.reason, record.phase = 503, "shutting_down", "shutdown"
-            raise
+            ended = True
         except Exception as exc:  # a bug: still one record, still an E1 body if we can
             logger.exception("request %s crashed", record.id)
             kind = type(exc).__name__
             error = RelayError("internal_error", f"relay failed unexpectedly ({kind}); see "
                                f"its log for request {record.id}")
             self._fail(error)
+            ended = True
             if not self.headers_sent:
                 with trio.move_on_after(1.0, shield=True):
                     await send_error(self.send, error)
         finally:
+            if not ended and record.reason is None:
+                # Cancelled from outside this request: the server is stopping.
+                if record.stop_requested_at is None:
+                    record.stop_requested_at = trio.current_time()
+                record.status, record.reason, record.phase = 503, "shutting_down", "shutdown"
             self.relay.records.write(record)
 
     def _fail(self, error: RelayError) -> None:
@@ -632,7 +634,8 @@ class StreamWriter(_Writer):
 
     def _waiting_notice(self) -> bytes:
         stats = self.provider.lane.statistics()
-        elapsed = trio.current_time() - (self.queued_at or trio.current_time())
+        now = trio.current_time()
+        elapsed = now - (self.queued_at if self.queued_at is not None else now)
         if self.request.progress_events:
             return b"event: relay.waiting\ndata: " + _dumps({
                 "running": stats.running, "capacity": stats.capacity,

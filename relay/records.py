@@ -98,6 +98,7 @@ class RecordWriter:
         self.clock = clock
         self._file: Any = None
         self._failed = False
+        self._closed = False
         self.recent: list[dict[str, Any]] = []  # the last few, for status and tests
 
     def write(self, record: Record) -> None:
@@ -105,7 +106,7 @@ class RecordWriter:
         self.recent.append(line)
         if len(self.recent) > 200:
             del self.recent[:100]
-        if self.path is None or self._failed:
+        if self.path is None or self._failed or self._closed:
             return
         data = json.dumps(line, separators=(",", ":"), default=str) + "\n"
         try:
@@ -136,6 +137,7 @@ class RecordWriter:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
 
     def close(self) -> None:
+        self._closed = True
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -101,7 +101,7 @@ def with_upstream(up: FakeUpstream, profile: str = "", extra: str = "") -> str:
 [providers.up]
 adapter = "openai"
 base_url = "{up.url}"
-models = ["m1", "m2", "slow", "stall", "cut", "Qwen/Qwen3-8B"]
+models = ["m1", "m2", "slow", "stall", "cut", "big", "Qwen/Qwen3-8B"]
 {extra}
 [providers.up.profile]
 lanes = 1
@@ -110,3 +110,74 @@ queue_timeout_s = 10
 run_timeout_s = 20
 {profile}
 """
+
+
+# --- an in-memory ASGI client, for the request path on virtual time ----------------------
+
+class ASGIResult:
+    """What one in-memory request got, with the (virtual) time of every body piece."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+        self.status_at: float | None = None
+        self.headers: dict[str, str] = {}
+        self.pieces: list[tuple[float, bytes]] = []
+        self.complete = trio.Event()  # the last body piece was sent
+        self.done = trio.Event()      # the app has returned
+        self.disconnect = trio.Event()  # set it to make the client leave
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(p for _, p in self.pieces)
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def text(self) -> str:
+        return self.body.decode()
+
+
+async def asgi_request(app: Any, path: str, body: Any, result: ASGIResult, *,
+                       method: str = "POST", headers: dict[str, str] | None = None) -> None:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    hdrs = [(b"host", b"127.0.0.1:8765"), (b"content-type", b"application/json"),
+            (b"content-length", str(len(raw)).encode())]
+    hdrs += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "headers": hdrs,
+             "client": ("127.0.0.1", 5555), "server": ("127.0.0.1", 8765)}
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        with trio.CancelScope() as scope_:
+            async def either(ev: trio.Event) -> None:
+                await ev.wait()
+                scope_.cancel()
+            async with trio.open_nursery() as n:
+                n.start_soon(either, result.disconnect)
+                n.start_soon(either, result.complete)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if result.disconnect.is_set():
+            raise OSError("client gone")
+        if message["type"] == "http.response.start":
+            result.status = message["status"]
+            result.status_at = trio.current_time()
+            result.headers = {k.decode(): v.decode() for k, v in message["headers"]}
+        elif message["type"] == "http.response.body":
+            if message.get("body"):
+                result.pieces.append((trio.current_time(), message["body"]))
+            if not message.get("more_body"):
+                result.complete.set()
+
+    try:
+        await app(scope, receive, send)
+    finally:
+        result.complete.set()
+        result.done.set()

@@ -1,0 +1,202 @@
+"""Lanes on virtual time: queue full, queue timeout, priorities, pacer, the grant race."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from relay.config import Profile
+from relay.errors import RelayError
+from relay.lanes import Lane
+
+
+def lane(lanes: int = 1, queue_max: int = 8, queue_timeout_s: float = 30.0,
+         rpm: float = 0.0) -> Lane:
+    return Lane("p", Profile(lanes=lanes, queue_max=queue_max, queue_timeout_s=queue_timeout_s,
+                             run_timeout_s=60.0, rpm=rpm))
+
+
+async def hold(ln: Lane, release: trio.Event, *, priority: str = "normal",
+               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async with ln.slot(priority):
+        task_status.started()
+        await release.wait()
+
+
+async def test_free_slot_is_taken_at_once(autojump_clock: trio.abc.Clock) -> None:
+    ln = lane(lanes=2)
+    async with ln.slot() as ticket:
+        assert ln.statistics().running == 1
+        assert ticket.queue_s == 0
+    stats = ln.statistics()
+    assert (stats.running, stats.queued) == (0, 0)
+    assert ticket.released_at is not None
+
+
+async def test_queue_full_is_refused_at_once(nursery: trio.Nursery,
+                                             autojump_clock: trio.abc.Clock) -> None:
+    ln = lane(lanes=1, queue_max=1)
+    release = trio.Event()
+    await nursery.start(hold, ln, release)
+    nursery.start_soon(hold, ln, release)          # waits in the queue
+    await trio.testing.wait_all_tasks_blocked()
+    assert ln.statistics().queued == 1
+    t0 = trio.current_time()
+    with pytest.raises(RelayError) as info:
+        async with ln.slot():
+            pass
+    assert trio.current_time() == t0                # at once
+    err = info.value
+    assert err.reason == "provider_queue_full" and err.status == 429
+    assert err.phase == "capacity" and err.retry_after_s is not None
+    assert "1/1 running, 1 queued" in err.message
+    assert "check" not in err.message.replace("connection checks included", "")  # L7
+    release.set()
+
+
+async def test_queue_timeout_after_exactly_its_limit(nursery: trio.Nursery,
+                                                     autojump_clock: trio.abc.Clock) -> None:
+    ln = lane(queue_timeout_s=30.0)
+    release = trio.Event()
+    await nursery.start(hold, ln, release)
+    t0 = trio.current_time()
+    with pytest.raises(RelayError) as info:
+        async with ln.slot():
+            pass
+    assert trio.current_time() - t0 == 30.0
+    assert info.value.reason == "provider_queue_timeout"
+    assert "waited 30 s for earlier requests" in info.value.message
+    assert ln.statistics().queued == 0
+    release.set()
+
+
+async def test_priority_order_and_fifo_within_a_class(nursery: trio.Nursery,
+                                                      autojump_clock: trio.abc.Clock) -> None:
+    ln = lane(queue_max=10)
+    release = trio.Event()
+    await nursery.start(hold, ln, release)
+    order: list[str] = []
+
+    async def wait(name: str, priority: str) -> None:
+        async with ln.slot(priority):
+            order.append(name)
+            await trio.sleep(1)
+
+    for name, priority in [("low1", "background"), ("mid1", "normal"), ("hi1", "interactive"),
+                           ("mid2", "normal"), ("low2", "background"), ("hi2", "interactive")]:
+        nursery.start_soon(wait, name, priority)
+        await trio.testing.wait_all_tasks_blocked()
+    release.set()
+    await trio.sleep(2.5)   # hi1, hi2 done; mid1 running
+    nursery.start_soon(wait, "late-hi", "interactive")  # arrives while others still wait
+    await trio.sleep(10)
+    assert order == ["hi1", "hi2", "mid1", "late-hi", "mid2", "low1", "low2"]
+    assert ln.statistics().running == 0 and ln.statistics().queued == 0
+
+
+async def test_pacer_spaces_starts_and_counts_as_queue_time(
+        nursery: trio.Nursery, autojump_clock: trio.abc.Clock) -> None:
+    ln = lane(lanes=10, rpm=60.0, queue_timeout_s=2.5)   # one start per second
+    starts: list[float] = []
+    failures: list[str] = []
+
+    async def one() -> None:
+        try:
+            async with ln.slot():
+                starts.append(trio.current_time())
+                await trio.sleep(0.1)
+        except RelayError as exc:
+            failures.append(exc.reason)
+
+    t0 = trio.current_time()
+    for _ in range(5):
+        nursery.start_soon(one)
+    await trio.sleep(10)
+    assert [s - t0 for s in starts] == [0.0, 1.0, 2.0]    # spaced by 60/rpm
+    assert failures == ["provider_queue_timeout"] * 2     # pacing wait is queue time
+    assert ln.statistics().running == 0 and ln.statistics().queued == 0
+
+
+async def test_pacer_wait_is_cancellable(nursery: trio.Nursery,
+                                         autojump_clock: trio.abc.Clock) -> None:
+    ln = lane(lanes=2, rpm=1.0)
+    async with ln.slot():
+        with trio.move_on_after(5) as scope:
+            async with ln.slot():
+                pytest.fail("the pacer allows one start a minute")
+        assert scope.cancelled_caught
+        assert ln.statistics().queued == 0
+    assert ln.statistics().running == 0
+
+
+async def test_cancelled_at_the_instant_of_the_grant_gives_the_slot_back(
+        nursery: trio.Nursery, autojump_clock: trio.abc.Clock) -> None:
+    ln = lane()
+    release = trio.Event()
+    await nursery.start(hold, ln, release)
+    entered: list[bool] = []
+    waiter_scope = trio.CancelScope()
+
+    async def waiter() -> None:
+        with waiter_scope:
+            async with ln.slot():
+                entered.append(True)
+
+    nursery.start_soon(waiter)
+    await trio.testing.wait_all_tasks_blocked()
+    assert ln.statistics().queued == 1
+    # In one tick: the waiter is cancelled, then the holder releases (granting it).
+    waiter_scope.cancel()
+    release.set()
+    await trio.testing.wait_all_tasks_blocked()
+    assert entered == []
+    stats = ln.statistics()
+    assert (stats.running, stats.queued) == (0, 0)   # a naive limiter leaks 1 here
+    async with ln.slot():                             # and the lane still works
+        assert ln.statistics().running == 1
+
+
+async def test_capacity_changes_in_place(nursery: trio.Nursery,
+                                         autojump_clock: trio.abc.Clock) -> None:
+    ln = lane(lanes=1, queue_max=10)
+    release = trio.Event()
+    for _ in range(4):
+        nursery.start_soon(hold, ln, release)
+    await trio.testing.wait_all_tasks_blocked()
+    assert (ln.statistics().running, ln.statistics().queued) == (1, 3)
+    ln.update_profile(Profile(lanes=3, queue_max=10, queue_timeout_s=30, run_timeout_s=60))
+    await trio.testing.wait_all_tasks_blocked()
+    assert (ln.statistics().running, ln.statistics().queued) == (3, 1)
+    ln.update_profile(Profile(lanes=1, queue_max=10, queue_timeout_s=30, run_timeout_s=60))
+    assert ln.statistics().running == 3                 # running work is never revoked
+    release.set()
+    await trio.testing.wait_all_tasks_blocked()
+    assert (ln.statistics().running, ln.statistics().queued) == (0, 0)
+
+
+async def test_many_waiters_with_random_cancels_never_leak(
+        nursery: trio.Nursery, autojump_clock: trio.abc.Clock) -> None:
+    import random
+
+    rng = random.Random(17)
+    ln = lane(lanes=3, queue_max=1000, queue_timeout_s=5.0)
+    done = 0
+
+    async def job() -> None:
+        nonlocal done
+        with trio.move_on_after(rng.uniform(0, 6)):
+            try:
+                async with ln.slot(rng.choice(["interactive", "normal", "background"])):
+                    await trio.sleep(rng.uniform(0, 0.5))
+            except RelayError:
+                pass
+        done += 1
+
+    for _ in range(500):
+        nursery.start_soon(job)
+        if rng.random() < 0.3:
+            await trio.sleep(0)
+    await trio.sleep(60)
+    assert done == 500
+    assert (ln.statistics().running, ln.statistics().queued) == (0, 0)
