@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 
 from relay.config import Profile
@@ -196,7 +197,7 @@ async def test_many_waiters_with_random_cancels_never_leak(
     for _ in range(500):
         nursery.start_soon(job)
         if rng.random() < 0.3:
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
     await trio.sleep(60)
     assert done == 500
     assert (ln.statistics().running, ln.statistics().queued) == (0, 0)

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-
 from conftest import ASGIResult, asgi_request, chat, config_from, sse_events
+
 from relay import Relay, open_relay
 
 CONFIG = """
@@ -139,7 +139,7 @@ async def test_a_queued_client_that_leaves_never_reaches_the_provider(
     assert stats(relay_) == (1, 0)      # left the queue at once
     await first.done.wait()
     assert fake.started == 1            # the second never reached the provider
-    rec = [r for r in relay_.records.recent if r["status"] == 499][0]
+    rec = next(r for r in relay_.records.recent if r["status"] == 499)
     assert rec["reason"] == "client_disconnected" and rec["attempts"][0]["ok"] is False
 
 

@@ -1,4 +1,4 @@
-"""Stops on real loopback sockets, through the assembled relay (SPEC C1–C5).
+"""Stops on real loopback sockets, through the assembled relay (SPEC C1 to C5).
 
 Each test measures, on trio's clock, the time from the client's stop to the fake upstream
 seeing its connection closed: the bound asserted is generous (0.5 s); the measured
@@ -17,8 +17,6 @@ from typing import Any
 import httpx
 import pytest
 import trio
-
-import relay
 from conftest import (
     FAKE_ONLY,
     chat,
@@ -31,6 +29,8 @@ from conftest import (
     with_upstream,
 )
 from upstream import FakeUpstream, Script
+
+import relay
 
 BOUND_S = 0.5
 
