@@ -356,9 +356,6 @@ class ChatRequest:
         self.record = Record(id=scope["relay.request_id"], started_at=now)
         self.headers_sent = False
         self.client_gone = False
-        self.stop = None  # RequestStop while running
-        self.provider: Provider | None = None
-        self.ticket_queue_s: float | None = None
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.body" and not message.get("more_body"):
@@ -466,18 +463,19 @@ class ChatRequest:
         error: RelayError | None = None
         ticket = None
 
-        def on_queued() -> None:
+        def tell(event: Queued | Started) -> None:
             try:
-                out.send_nowait(Queued())
-            except trio.WouldBlock:
-                pass  # the writer will see the wait in the lane's statistics
+                out.send_nowait(event)
+            except trio.WouldBlock:  # cannot happen before the adapter runs; harmless
+                pass
 
         async with out:
             try:
                 with stop.scope:
-                    async with provider.lane.slot(priority, on_queued=on_queued) as ticket:
+                    async with provider.lane.slot(priority,
+                                                  on_queued=lambda: tell(Queued())) as ticket:
                         record.queue_ms = round(ticket.queue_s * 1000, 3)
-                        out.send_nowait(Started())
+                        tell(Started())
                         run_s = provider.config.profile.run_timeout_s
                         with trio.move_on_after(run_s) as run_scope:
                             await provider.adapter.run(call, sink)
