@@ -60,6 +60,11 @@ class Adapter:
         return 10.0
 
     @classmethod
+    def describe_settings(cls, settings: Any) -> str:
+        """One line for ``relay config check`` (never a secret)."""
+        return ""
+
+    @classmethod
     def settings_problems(cls, settings: Any) -> list[tuple[str, str]]:
         """(key, what is wrong) for settings that are well typed but still wrong."""
         return []

@@ -113,6 +113,14 @@ class OpenAIAdapter(Adapter):
         return preset.typical_call_s if preset else 10.0
 
     @classmethod
+    def describe_settings(cls, settings: Any) -> str:
+        preset = cls._preset(settings)
+        base = settings.base_url or (preset.base_url if preset else "?")
+        key = settings.api_key_env or (preset.api_key_env if preset else None)
+        proxy = f", proxy {settings.proxy}" if settings.proxy else ""
+        return f"base_url {base}, key from {key or '(none)'}{proxy}"
+
+    @classmethod
     def settings_problems(cls, settings: Any) -> list[tuple[str, str]]:
         problems = []
         if settings.preset is not None and settings.preset not in PRESETS:

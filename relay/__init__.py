@@ -29,14 +29,16 @@ __version__ = "0.1.0"
 
 
 async def serve(
-    config: Config, *, host: str | None = None, port: int | None = None,
+    config: Config, *, port: int | None = None,
     shutdown: trio.Event | None = None,
     task_status: trio.TaskStatus[Served] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a relay and its HTTP front until cancelled (or ``shutdown`` is set: drain).
 
     ``task_status.started`` gets a `Served` with the bound URLs and the `Relay`.
+    ``port`` overrides the config's (0: any free port); the host is the config's, whose
+    safety rules were checked when it was loaded.
     """
     async with open_relay(config) as relay:
-        await serve_http(relay, host=host, port=port, shutdown=shutdown,
+        await serve_http(relay, port=port, shutdown=shutdown,
                          task_status=task_status)

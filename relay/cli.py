@@ -46,9 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(path: str | None) -> Config | None:
+def _load(path: str | None, overrides: dict[str, Any] | None = None) -> Config | None:
     try:
-        config = load_config(path)
+        config = load_config(path, server_overrides=overrides)
     except ConfigError as exc:
         print("relay: the configuration has problems:", file=sys.stderr)
         for problem in exc.problems:
@@ -62,12 +62,14 @@ def _load(path: str | None) -> Config | None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
-        config = _load(args.config)
+        overrides = {k: v for k, v in (("host", args.host), ("port", args.port))
+                     if v is not None}
+        config = _load(args.config, overrides)
         if config is None:
             return 2
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        trio.run(run_daemon, config, args.host, args.port)
+        trio.run(run_daemon, config)
         return 0
     if args.command == "config":
         config = _load(args.config)
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     return 2  # pragma: no cover - argparse refuses other commands
 
 
-async def run_daemon(config: Config, host: str | None, port: int | None) -> None:
+async def run_daemon(config: Config) -> None:
     """Serve until SIGTERM/SIGINT: the first drains (SPEC O3), a second stops at once."""
     from . import serve
 
@@ -99,8 +101,7 @@ async def run_daemon(config: Config, host: str | None, port: int | None) -> None
                         nursery.cancel_scope.cancel()
 
         async def run_server(task_status: trio.TaskStatus[Any]) -> None:
-            await serve(config, host=host, port=port, shutdown=shutdown,
-                        task_status=task_status)
+            await serve(config, shutdown=shutdown, task_status=task_status)
             nursery.cancel_scope.cancel()  # drained: stop the signal watcher
 
         await nursery.start(watch_signals)
@@ -121,10 +122,14 @@ def describe_config(config: Config) -> str:
     for name, p in config.providers.items():
         prof = p.profile
         models = ", ".join(p.models) if p.models else "(discovered)"
+        from adapters import ADAPTERS
+
+        detail = ADAPTERS[p.adapter].describe_settings(p.settings)
         lines.append(f"  {name}: adapter {p.adapter}; lanes {prof.lanes}, queue_max "
                      f"{prof.queue_max}, queue_timeout {prof.queue_timeout_s:g} s, run_timeout "
                      f"{prof.run_timeout_s:g} s, rpm {prof.rpm:g}, interrupt_grace "
-                     f"{prof.interrupt_grace_s:g} s; models: {models}")
+                     f"{prof.interrupt_grace_s:g} s; models: {models}"
+                     + (f"; {detail}" if detail else ""))
     if not config.providers:
         lines.append("  (none)")
     return "\n".join(lines)

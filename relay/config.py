@@ -44,7 +44,7 @@ T = TypeVar("T")
 
 
 def _positive(inst: object, attr: attrs.Attribute[Any], value: float) -> None:
-    if value <= 0:
+    if value <= 0:  # the caller names the key (validation_problems)
         raise ValueError(f"must be > 0, got {value!r}")
 
 
@@ -153,27 +153,51 @@ converter.register_structure_hook(str, _strict(str))
 
 
 def _describe(exc: BaseException, type_: Any) -> str:
-    if isinstance(exc, ValueError | TypeError) and not isinstance(
-            exc, cattrs.ForbiddenExtraKeysError):
+    if isinstance(exc, ValueError | TypeError):
         return str(exc)
     return cattrs.v.format_exception(exc, type_)
 
 
 def structure_table(data: Any, cls: type[T], path: str, problems: list[str]) -> T | None:
-    """Structure ``data`` into ``cls``; on failure add one line per problem (with its
-    dotted path) to ``problems`` and return None."""
+    """Structure ``data`` into ``cls``; on failure add one line per problem — each naming
+    its table and key — to ``problems`` and return None.
+
+    Unknown keys and wrong types come from the converter; then every field's validator
+    runs on its own, so two bad values in one table are both reported (attrs alone stops
+    at the first).
+    """
     if not isinstance(data, dict):
         problems.append(f"[{path}]: must be a table, got {type(data).__name__}")
         return None
+    known = [a.name for a in attrs.fields(cls)]  # type: ignore[arg-type]
+    extra = [key for key in data if key not in known]
+    for key in extra:
+        problems.append(f"[{path}] {key}: unknown key; known keys: {', '.join(known)}")
     try:
-        return converter.structure(data, cls)
+        with attrs.validators.disabled():
+            inst = converter.structure({k: v for k, v in data.items() if k not in extra}, cls)
     except cattrs.BaseValidationError as exc:
         for line in cattrs.transform_error(exc, path=path, format_exception=_describe):
             message, _, where = line.rpartition(" @ ")
             problems.append(f"{_table_key(where)}: {message}")
-    except (ValueError, TypeError) as exc:  # an attrs validator outside cattrs' reach
-        problems.append(f"[{path}]: {exc}")
-    return None
+        return None
+    invalid = validation_problems(inst, path)
+    problems.extend(invalid)
+    return None if extra or invalid else inst
+
+
+def validation_problems(inst: Any, path: str) -> list[str]:
+    """Run each field's validator on its own; one ``[table] key: …`` line per failure."""
+    out = []
+    for field in attrs.fields(type(inst)):
+        if field.validator is None:
+            continue
+        try:
+            field.validator(inst, field, getattr(inst, field.name))
+        except (ValueError, TypeError) as exc:
+            message = str(exc).removeprefix(f"'{field.name}' ")
+            out.append(f"[{path}] {field.name}: {message}")
+    return out
 
 
 def _table_key(dotted: str) -> str:
@@ -212,8 +236,12 @@ def default_config_path() -> Path:
     return Path(__file__).with_name("profiles.toml")
 
 
-def load_config(path: str | os.PathLike[str] | None = None) -> Config:
+def load_config(path: str | os.PathLike[str] | None = None, *,
+                server_overrides: Mapping[str, Any] | None = None) -> Config:
     """Read and validate a config file (default: `default_config_path`).
+
+    ``server_overrides`` (the command line's ``--host``/``--port``) are laid over the
+    ``[server]`` table *before* validation, so they face the same safety checks.
 
     Raises:
         ConfigError: listing every problem, each with file, table and key.
@@ -224,12 +252,14 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
         text = file.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([f"{file}: cannot read: {exc.strerror or exc}"]) from exc
-    return parse_config(text, source=str(file), base_dir=file.parent, packaged=packaged)
+    return parse_config(text, source=str(file), base_dir=file.parent, packaged=packaged,
+                        server_overrides=server_overrides)
 
 
 def parse_config(
     text: str, *, source: str = "<config>", base_dir: Path | None = None,
     packaged: bool = False, environ: Mapping[str, str] | None = None,
+    server_overrides: Mapping[str, Any] | None = None,
 ) -> Config:
     """Validate config text; see `load_config`. ``environ`` defaults to os.environ."""
     from adapters import ADAPTERS  # the registry; imported late: adapters import this module
@@ -242,6 +272,10 @@ def parse_config(
 
     problems: list[str] = []
     warnings: list[str] = []
+    if server_overrides:
+        if not isinstance(data.get("server", {}), dict):
+            data["server"] = {}
+        data["server"] = {**data.get("server", {}), **server_overrides}
     for key in data:
         if key not in ("server", "providers"):
             problems.append(f"[{key}]: unknown table (expected [server] or [providers.NAME])")
@@ -348,10 +382,11 @@ def _load_provider(
             f"recommended profile here, so provider {name!r} must set "
             f"{', '.join(missing)} (relay has no global default profile)")
         return None
-    try:
+    with attrs.validators.disabled():
         profile = Profile(**fields)
-    except (ValueError, TypeError) as exc:
-        problems.append(f"[{where}.profile]: {exc}")
+    invalid = validation_problems(profile, f"{where}.profile")
+    if invalid:
+        problems.extend(invalid)
         return None
 
     max_call = adapter.max_call_s(settings)

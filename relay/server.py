@@ -74,13 +74,13 @@ class Served:
 
 
 async def serve_http(
-    relay: Relay, *, host: str | None = None, port: int | None = None,
+    relay: Relay, *, port: int | None = None,
     shutdown: trio.Event | None = None,
     task_status: trio.TaskStatus[Served] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``relay.app`` until cancelled, or until ``shutdown`` is set (then drain)."""
     server = relay.config.server
-    host = host if host is not None else server.host
+    host = server.host
     port = port if port is not None else server.port
     cfg = HyperConfig()
     cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
