@@ -75,7 +75,7 @@ class FakeAdapter(Adapter):
 
     def check_call(self, call: Call) -> None:
         super().check_call(call)
-        if call.params.get("n", 1) != 1:
+        if (call.params.get("n") or 1) != 1:  # null means the default, 1
             raise RelayError("unsupported", f"provider {self.name!r} (fake) answers with one "
                              "choice only; 'n' must be 1", provider=self.name, param="n")
         self._knobs(call.model)
@@ -150,8 +150,8 @@ def _pieces(call: Call, knobs: dict[str, Any]) -> list[str]:
             if message.get("role") == "user":
                 content = message.get("content")
                 if isinstance(content, list):
-                    content = " ".join(p.get("text", "") for p in content
-                                       if isinstance(p, dict))
+                    content = " ".join(p["text"] for p in content if isinstance(p, dict)
+                                       and isinstance(p.get("text"), str))
                 if isinstance(content, str) and content.strip():
                     reply = content
                 break
@@ -160,6 +160,9 @@ def _pieces(call: Call, knobs: dict[str, Any]) -> list[str]:
 
 
 def _failure(provider: str, reason: str) -> RelayError:
+    # A fixed Retry-After of 2 s where a retry may help; a reason with its own (quota:
+    # 600 s) keeps it.
+    retry = None if REASONS[reason].retry_after_s is not None else 2.0
     return RelayError(reason, f"the fake provider {provider!r} was told to fail with "
-                      f"{reason!r}", provider=provider, retry_after_s=2.0,
+                      f"{reason!r}", provider=provider, retry_after_s=retry,
                       upstream_message=f"fake failure: {reason}")

@@ -58,6 +58,7 @@ COALESCE_MAX = 256  # events folded into one `send` when they are ready together
 WAITING_NOTICE_S = 2.0
 DRAIN_AFTER_DONE_S = 1.0
 INT_MAX = 2**31 - 1
+RELAY_ROUTES = frozenset({"/v1/chat/completions"})
 
 
 def _dumps(obj: Any) -> bytes:
@@ -130,6 +131,7 @@ class Guard:
 
         refusal = self._refusal(scope, origin)
         if refusal is not None:
+            self._record(scope, refusal)
             await send_error(send_with_id, refusal)
             return
         if scope["method"] == "OPTIONS" and origin is not None:  # an allowed preflight
@@ -179,6 +181,13 @@ class Guard:
                                   status=413)
         return None
 
+    def _record(self, scope: Scope, error: RelayError) -> None:
+        """A chat request refused here still gets its one record (DESIGN invariant 5)."""
+        if scope["path"] in RELAY_ROUTES:
+            record = Record(id=scope["relay.request_id"], started_at=trio.current_time(),
+                            status=error.status, reason=error.reason, phase=error.phase)
+            self.relay.records.write(record)
+
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
         body = bytearray()
         with trio.move_on_after(self.body_timeout_s):
@@ -188,15 +197,18 @@ class Guard:
                     return None
                 body += message.get("body", b"")
                 if len(body) > self.max_body:
-                    await send_error(send, RelayError(
-                        "invalid_request", f"the body is over the limit of {self.max_body} "
-                        "bytes ([server] max_body_bytes)", status=413))
+                    error = RelayError("invalid_request", f"the body is over the limit of "
+                                       f"{self.max_body} bytes ([server] max_body_bytes)",
+                                       status=413)
+                    self._record(scope, error)
+                    await send_error(send, error)
                     return None
                 if not message.get("more_body"):
                     return bytes(body)
-        await send_error(send, RelayError(
-            "invalid_request", f"the body did not arrive within {self.body_timeout_s:g} s "
-            "([server] body_timeout_s)", status=408))
+        error = RelayError("invalid_request", f"the body did not arrive within "
+                           f"{self.body_timeout_s:g} s ([server] body_timeout_s)", status=408)
+        self._record(scope, error)
+        await send_error(send, error)
         return None
 
 
@@ -227,7 +239,7 @@ class Front:
         await self.guard(scope, receive, send)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
-        if scope["path"] == "/v1/chat/completions":
+        if scope["path"] in RELAY_ROUTES:
             if scope["method"] != "POST":
                 await send_error(send, RelayError("invalid_request", "use POST for "
                                                   "/v1/chat/completions", status=405))
@@ -324,13 +336,20 @@ def parse_chat_body(body: bytes) -> dict[str, Any]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise _bad(f"messages[{i}] must be an object", "messages")
-        if message.get("role") not in _ROLES:
+        role = message.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
             raise _bad(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}",
                        "messages")
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
             raise _bad(f"messages[{i}].content must be a string or a list of parts",
                        "messages")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise _bad(f"messages[{i}].content[{j}] must be an object with a 'type'",
+                           "messages")
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise _bad(f"messages[{i}].content[{j}].text must be a string", "messages")
     if not isinstance(data.get("stream", False), bool):
         raise _bad("'stream' must be true or false", "stream")
     for key in ("max_tokens", "max_completion_tokens", "n"):
