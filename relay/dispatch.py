@@ -157,6 +157,18 @@ def make_plan(relay: Relay, model: str, body_fallbacks: Any) -> Plan:
 
 # --- one attempt ----------------------------------------------------------------------------
 
+@attrs.define
+class Delivered:
+    """What of a streamed answer has reached the client, across attempts."""
+
+    text: str = ""              # choice 0's text
+    other_output: bool = False  # tool calls, extra fields, more choices: not continuable
+
+    @property
+    def any(self) -> bool:
+        return bool(self.text) or self.other_output
+
+
 class AttemptSink:
     """What an adapter sends into. Forwards events to the writer, tracks progress (text
     sent, first and last token), and drops everything once the attempt is over."""
@@ -170,6 +182,9 @@ class AttemptSink:
         self.other_output = False  # tool calls or extra fields: cannot be continued
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        # Called on the first token: the dispatcher's deadlines change then. Later
+        # tokens only push the stall deadline on, which it re-checks when it wakes.
+        self.on_first_token: Any = None
 
     async def send(self, event: Any) -> None:
         if self.closed:
@@ -181,6 +196,8 @@ class AttemptSink:
             now = trio.current_time()
             if self.first_token_at is None:
                 self.first_token_at = now
+                if self.on_first_token is not None:
+                    self.on_first_token()
             self.last_token_at = now
             if event.content and event.index == 0:
                 self.text += event.content
@@ -203,10 +220,6 @@ class AttemptSink:
     def complete(self) -> bool:
         return bool(self.finished) and self.open_choices <= self.finished
 
-    @property
-    def produced(self) -> bool:
-        return bool(self.open_choices)
-
 
 @attrs.define(eq=False)
 class _Run:
@@ -221,6 +234,7 @@ class _Run:
     running_since: float | None = None
     run_deadline: float = math.inf
     finished_at: float | None = None
+    stopped_at: float | None = None  # when the dispatcher stopped it (a timeout)
     error: RelayError | None = None
 
     def poke(self) -> None:
@@ -249,9 +263,11 @@ class Dispatcher:
                 error = await self._try_all(nursery, out)
                 await out.send(Ended(error))
                 return
-            # Stopped from outside (a drain): the writer still reports it.
+            # Stopped from outside (a drain): stop every attempt; the writer still
+            # reports it, and the request ends when their cleanups have.
             for run in self.runs:
                 run.sink.closed = True
+                run.scope.cancel()
             await out.send(Ended(self.stop.error))
 
     async def _try_all(self, nursery: trio.Nursery,
@@ -259,13 +275,15 @@ class Dispatcher:
         route = self.plan.route
         budget = route.total_budget_s() if route else None
         deadline = self.record_start() + budget if budget is not None else math.inf
-        original: RelayError | None = None   # the failure that made relay move on
+        original: RelayError | None = None   # the failure that broke a streamed answer
         last: RelayError | None = None
-        sent = AttemptSink(out)              # what has reached the client so far
+        sent = Delivered()                   # what has reached the client so far
         for target in self.plan.targets:
             call = self._call_for(target, sent)
             if call is None:                 # cannot continue the text already sent
-                break
+                logger.info("skipped request=%s target=%s: cannot continue a partly "
+                            "sent answer (prefill off)", self.record.id, target.name)
+                continue
             try:
                 target.provider.adapter.check_call(call)
             except RelayError as exc:        # skipped, recorded as unsupported (F2)
@@ -277,7 +295,7 @@ class Dispatcher:
                     return self._final(RelayError(
                         "budget_exhausted", f"route {route.name if route else ''!r} used "
                         f"its whole budget of {budget:g} s before {target.name} could be "
-                        "tried", provider=target.provider.name), original or last)
+                        "tried", provider=target.provider.name), original)
                 if self.runs:
                     self.record.fallback_triggered |= target.role == "fallback"
                     if attempt_no == 0 and target.role == "fallback":
@@ -288,7 +306,7 @@ class Dispatcher:
                 if run.error is None:
                     return None
                 last = run.error
-                if sent.produced and original is None:
+                if sent.any and original is None:
                     original = run.error
                 if run.error.reason not in RETRY_ON or attempt_no == self.plan.retries:
                     break
@@ -300,21 +318,18 @@ class Dispatcher:
                     break
                 await trio.sleep(wait)
             assert last is not None
-            if last.reason not in FALLBACK_ON or self.stop.error is not None:
-                break
-            if call is not None and call is not self.base_call and original is not None \
-                    and last is not original and last.reason not in FALLBACK_ON:
+            if last.reason not in FALLBACK_ON:
                 break
         return self._final(last, original)
 
     def record_start(self) -> float:
         return self.record.started_at
 
-    def _call_for(self, target: Target, sent: AttemptSink) -> Call | None:
+    def _call_for(self, target: Target, sent: Delivered) -> Call | None:
         """The call for ``target``: the request as sent, or — when part of a streamed
         answer has reached the client — continued from it, if the provider can."""
         base = attrs.evolve(self.base_call, provider=target.provider.name, model=target.model)
-        if not sent.produced:
+        if not sent.any:
             return base
         if sent.other_output or not target.provider.config.prefill or not sent.text:
             return None
@@ -336,7 +351,7 @@ class Dispatcher:
         # A continuation the fallback refused: the client sees the failure that mattered.
         if original is not None and error is not original and error.reason not in FALLBACK_ON:
             error = original
-        tried = [a for a in self.record.attempts]
+        tried = self.record.attempts
         if len(tried) > 1:
             summary = "; ".join(f"{a.role} {a.provider}/{a.model}: {a.failure or 'ok'}"
                                 for a in tried)
@@ -348,7 +363,7 @@ class Dispatcher:
         return error
 
     async def _attempt(self, nursery: trio.Nursery, out: trio.MemorySendChannel[Any],
-                       target: Target, call: Call, sent: AttemptSink,
+                       target: Target, call: Call, sent: Delivered,
                        budget_deadline: float) -> _Run:
         now = trio.current_time()
         record = Attempt(provider=target.provider.name, model=target.model, role=target.role,
@@ -358,8 +373,9 @@ class Dispatcher:
         sink = AttemptSink(out)
         sink.text, sink.other_output = sent.text, sent.other_output
         run = _Run(target, call, sink, record)
+        sink.on_first_token = run.poke
         self.runs.append(run)
-        await out.send(AttemptStarted(target.name, continues=sent.produced))
+        await out.send(AttemptStarted(target.name, continues=sent.any))
         own = self.plan.timeout_for(target)
         own_deadline = now + own if own is not None else math.inf
         nursery.start_soon(self._run_attempt, run)
@@ -368,7 +384,9 @@ class Dispatcher:
         while run.finished_at is None:
             limits = [(own_deadline, "attempt_timeout"), (budget_deadline, "budget_exhausted"),
                       (run.run_deadline, "run_timeout")]
-            if route is not None and run.running_since is not None:
+            # Token limits need tokens: they apply to streamed answers only (a plain
+            # answer arrives whole, its first token is its last).
+            if route is not None and run.running_since is not None and self.stream:
                 if route.first_token_timeout_s is not None and sink.first_token_at is None:
                     limits.append((run.running_since + route.first_token_timeout_s,
                                    "first_token_timeout"))
@@ -383,11 +401,12 @@ class Dispatcher:
                     run, when, reason):
                 run.error = self._timeout(run, reason, own, budget_deadline)
                 run.record.failure = run.error.reason
+                run.stopped_at = when
                 run.scope.cancel()          # its cleanup goes on beside what comes next
                 sink.closed = True
                 break
-        sent.text, sent.other_output = sink.text, sink.other_output
-        sent.open_choices |= sink.open_choices
+        if self.stream:  # a plain answer reaches the client only at the end
+            sent.text, sent.other_output = sink.text, sink.other_output
         self._log(run)
         return run
 
@@ -433,8 +452,8 @@ class Dispatcher:
                 async with provider.lane.slot(
                         self.priority, on_queued=lambda: run.sink.tell(Queued(provider))
                 ) as ticket:
-                    if self.record.queue_ms is None or run.record.role == "primary":
-                        self.record.queue_ms = round(ticket.queue_s * 1000, 3)
+                    self.record.queue_ms = round((self.record.queue_ms or 0.0)
+                                                 + ticket.queue_s * 1000, 3)
                     run.sink.tell(Started())
                     run.running_since = trio.current_time()
                     run_s = provider.config.profile.run_timeout_s
@@ -443,6 +462,7 @@ class Dispatcher:
                     with trio.move_on_at(run.run_deadline) as run_scope:
                         await provider.adapter.run(run.call, run.sink)
                     if run_scope.cancelled_caught:
+                        run.stopped_at = run.run_deadline
                         raise self._timeout(run, "run_timeout", None, math.inf)
                     if not run.sink.complete:
                         raise RelayError("stream_cut", f"provider {provider.name!r} ended "
@@ -463,9 +483,9 @@ class Dispatcher:
             attempt.duration_ms = round((now - attempt.started) * 1000, 3)
             if ticket is not None and ticket.released_at is not None:
                 attempt.released_at = ticket.released_at
-                if ticket.started_at is not None:
-                    self.record.run_ms = round((ticket.released_at - ticket.started_at)
-                                               * 1000, 3)
+                if ticket.started_at is not None:  # summed over the attempts
+                    self.record.run_ms = round((self.record.run_ms or 0.0) + (
+                        ticket.released_at - ticket.started_at) * 1000, 3)
             if run.error is None:        # the dispatcher has not given up on it
                 run.error = error
                 if error is None and not run.sink.complete:
