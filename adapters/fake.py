@@ -9,6 +9,7 @@ per request, through the model name's query part (``fake/echo?chunks=5&chunk_del
 - ``fail``: a relay error reason to fail with, after ``fail_after`` chunks (default 0);
   ``cut``: end after ``cut_after`` chunks without a finish (a cut-off answer);
 - ``finish``: the finish reason (default ``stop``; ``max_tokens`` cuts with ``length``);
+- a call ending in an assistant message continues it (a prefill, SPEC F8);
 - ``ignore_stop_s``: on a stop, keep working (shielded, bounded) for this long, like a
   CLI tool that is slow to confirm its interrupt (SPEC L6).
 
@@ -50,6 +51,7 @@ _KNOBS: dict[str, type] = {
 class FakeAdapter(Adapter):
     kind = "fake"
     Settings = FakeSettings
+    prefill = True  # a call ending in an assistant message continues it
     supported_params = frozenset({
         "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
         "user", "stream_options", "n", "metadata", "presence_penalty", "frequency_penalty",
@@ -141,6 +143,23 @@ class FakeAdapter(Adapter):
 
 
 def _pieces(call: Call, knobs: dict[str, Any]) -> list[str]:
+    pieces = _answer(call, knobs)
+    last = call.messages[-1] if call.messages else {}
+    prefix = last.get("content") if last.get("role") == "assistant" else None
+    if isinstance(prefix, str) and "".join(pieces).startswith(prefix):
+        # A prefill: continue the answer after the text already given.
+        out, seen = [], ""
+        for piece in pieces:
+            if len(seen) >= len(prefix):
+                out.append(piece)
+            elif len(seen) + len(piece) > len(prefix):
+                out.append(piece[len(prefix) - len(seen):])
+            seen += piece
+        return out
+    return pieces
+
+
+def _answer(call: Call, knobs: dict[str, Any]) -> list[str]:
     if "chunks" in knobs:
         return [f"t{i} " for i in range(max(0, knobs["chunks"]))]
     reply = knobs.get("reply")

@@ -32,6 +32,7 @@ __all__ = [
     "Config",
     "Profile",
     "ProviderConfig",
+    "RouteConfig",
     "ServerConfig",
     "default_config_path",
     "default_state_dir",
@@ -109,6 +110,47 @@ class ServerConfig:
 COMMON_PROVIDER_KEYS = ("adapter", "models", "prefill", "check_interval_s", "profile")
 
 
+def _optional_positive(inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"must be > 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class RouteConfig:
+    """A model name clients can use: a primary target and ordered fallbacks (SPEC F1-F4).
+
+    Without attempt timeouts, each attempt is bounded by its provider's profile alone;
+    ``budget_s`` defaults to the sum of the attempt timeouts when every attempt has one.
+    """
+
+    primary: str
+    fallbacks: tuple[str, ...] = ()
+    primary_timeout_s: float | None = attrs.field(default=None, validator=_optional_positive)
+    fallback_timeout_s: float | None = attrs.field(default=None, validator=_optional_positive)
+    budget_s: float | None = attrs.field(default=None, validator=_optional_positive)
+    retries: int = attrs.field(default=0, validator=[v.ge(0), v.le(10)])
+    first_token_timeout_s: float | None = attrs.field(default=None,
+                                                      validator=_optional_positive)
+    stall_timeout_s: float | None = attrs.field(default=None, validator=_optional_positive)
+    name: str = ""
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return (self.primary, *self.fallbacks)
+
+    def total_budget_s(self) -> float | None:
+        """``budget_s``, else the sum of every attempt's timeout (None: unbounded)."""
+        if self.budget_s is not None:
+            return self.budget_s
+        tries = 1 + self.retries
+        if self.primary_timeout_s is None:
+            return None
+        if self.fallbacks and self.fallback_timeout_s is None:
+            return None
+        return tries * (self.primary_timeout_s
+                        + len(self.fallbacks) * (self.fallback_timeout_s or 0.0))
+
+
 @attrs.frozen(kw_only=True)
 class ProviderConfig:
     name: str
@@ -125,8 +167,9 @@ class ProviderConfig:
 class Config:
     server: ServerConfig
     providers: Mapping[str, ProviderConfig]
-    source: str  # the file it came from, or "<packaged default>"
-    records_path: Path | None  # None: records off (tests)
+    routes: Mapping[str, RouteConfig] = attrs.field(factory=dict)
+    source: str = "<config>"  # the file it came from, or "<packaged default>"
+    records_path: Path | None = None  # None: records off
     warnings: tuple[str, ...] = ()
 
 
@@ -277,8 +320,9 @@ def parse_config(
             data["server"] = {}
         data["server"] = {**data.get("server", {}), **server_overrides}
     for key in data:
-        if key not in ("server", "providers"):
-            problems.append(f"[{key}]: unknown table (expected [server] or [providers.NAME])")
+        if key not in ("server", "providers", "routes"):
+            problems.append(f"[{key}]: unknown table (expected [server], [providers.NAME] "
+                            "or [routes.NAME])")
 
     server = structure_table(data.get("server", {}), ServerConfig, "server", problems)
     if server is not None:
@@ -294,6 +338,16 @@ def parse_config(
         if provider is not None:
             providers[name] = provider
 
+    routes: dict[str, RouteConfig] = {}
+    raw_routes = data.get("routes", {})
+    if not isinstance(raw_routes, dict):
+        problems.append("[routes]: must be a table of [routes.NAME] tables")
+        raw_routes = {}
+    for name, table in raw_routes.items():
+        route = _load_route(name, table, providers, raw_providers, problems)
+        if route is not None:
+            routes[name] = route
+
     if problems:
         raise ConfigError([f"{source}: {p}" for p in problems])
     assert server is not None
@@ -305,8 +359,56 @@ def parse_config(
     else:
         records = default_state_dir() / "relay-requests.jsonl"
     del packaged  # the packaged default never names a records path: it uses the state dir
-    return Config(server=server, providers=providers, source=source, records_path=records,
+    return Config(server=server, providers=providers, routes=routes, source=source,
+                  records_path=records,
                   warnings=tuple(f"{source}: {w}" for w in warnings))
+
+
+def check_target(target: str, providers: Mapping[str, ProviderConfig]) -> str | None:
+    """What is wrong with a ``provider/model`` target, or None."""
+    provider, slash, model = target.partition("/")
+    if not slash or not model:
+        return f"{target!r} must be PROVIDER/MODEL"
+    pconf = providers.get(provider)
+    if pconf is None:
+        return f"{target!r} names no provider (known: {', '.join(providers) or 'none'})"
+    if pconf.models_configured and model.partition("?")[0] not in pconf.models:
+        return (f"{target!r}: provider {provider!r} lists only "
+                f"{', '.join(pconf.models)}")
+    return None
+
+
+def _load_route(name: str, table: Any, providers: Mapping[str, ProviderConfig],
+                raw_providers: Mapping[str, Any], problems: list[str]) -> RouteConfig | None:
+    where = f"routes.{name}"
+    if not name or "/" in name:
+        problems.append(f"[{where}]: a route name must be non-empty and contain no '/'")
+        return None
+    if name in raw_providers:
+        problems.append(f"[{where}]: the name is also a provider's; choose another")
+        return None
+    route = structure_table(table, RouteConfig, where, problems)
+    if route is None:
+        return None
+    ok = True
+    for key, target in [("primary", route.primary)] + [
+            (f"fallbacks[{i}]", t) for i, t in enumerate(route.fallbacks)]:
+        if target.partition("/")[0] not in providers and target.partition("/")[0] in \
+                raw_providers:
+            ok = False  # that provider's own table already has a problem
+            continue
+        problem = check_target(target, providers)
+        if problem is not None:
+            problems.append(f"[{where}] {key}: {problem}")
+            ok = False
+    seen: set[str] = set()
+    for target in route.targets:
+        if target in seen:
+            problems.append(f"[{where}] fallbacks: {target!r} is listed twice; each target "
+                            "is tried at most once per request")
+            ok = False
+        seen.add(target)
+    return attrs.evolve(route, name=name) if ok else None
 
 
 def _check_server(server: ServerConfig, env: Mapping[str, str], problems: list[str]) -> None:

@@ -125,7 +125,7 @@ class Relay:
                 names = ", ".join(f"{p.name}/{model}" for p in owners)
                 raise RelayError("unknown_model", f"model {model!r} is offered by several "
                                  f"providers; name one of: {names}", param="model")
-        known = ", ".join(self.model_ids()) or "(none discovered yet)"
+        known = ", ".join(self.known_names()) or "(none discovered yet)"
         raise RelayError(
             "unknown_model",
             f"model {model!r} is not known. Known models: {known}. Or write PROVIDER/MODEL "
@@ -133,6 +133,9 @@ class Relay:
 
     def model_ids(self) -> list[str]:
         return [f"{p.name}/{m}" for p in self.providers.values() for m in p.models]
+
+    def known_names(self) -> list[str]:
+        return [*self.config.routes, *self.model_ids()]
 
     # --- in-flight requests ---------------------------------------------------------------
     def track(self, stop: RequestStop) -> None:

@@ -32,17 +32,17 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import trio
 
 from .config import is_loopback_host
+from .dispatch import AttemptStarted, Dispatcher, Ended, Plan, Queued, Started, make_plan
 from .errors import RelayError
 from .events import Call, Delta, Finish, Skipped, Usage
 from .lanes import PRIORITIES
-from .records import Attempt, Record
+from .records import Record
 
 if TYPE_CHECKING:
-    from .core import Provider, Relay
+    from .core import Relay
 
 __all__ = ["Front"]
 
@@ -258,51 +258,6 @@ class Front:
         await self.quart(scope, replay, send)  # type: ignore[arg-type]
 
 
-# --- what flows from the attempt to the writer -------------------------------------------
-
-@attrs.frozen(slots=True)
-class Queued:
-    """The attempt has to wait in its provider's queue."""
-
-
-@attrs.frozen(slots=True)
-class Started:
-    """The attempt holds a slot; the adapter is running."""
-
-
-@attrs.frozen(slots=True)
-class Ended:
-    """The attempt is over and its slot is back; ``error`` says how it failed."""
-
-    error: RelayError | None
-
-
-class AttemptSink:
-    """What an adapter sends into: forwards events, knows whether every choice finished,
-    and refuses anything after the attempt ended (a late result is never used, SPEC F5)."""
-
-    def __init__(self, out: trio.MemorySendChannel[Any]) -> None:
-        self._out = out
-        self.open_choices: set[int] = set()
-        self.finished: set[int] = set()
-        self.closed = False
-
-    async def send(self, event: Any) -> None:
-        if self.closed:
-            raise RelayError("internal_error", "an adapter sent an event after its attempt "
-                             "ended")
-        if isinstance(event, Delta):
-            self.open_choices.add(event.index)
-        elif isinstance(event, Finish):
-            self.open_choices.add(event.index)
-            self.finished.add(event.index)
-        await self._out.send(event)
-
-    @property
-    def complete(self) -> bool:
-        return bool(self.finished) and self.open_choices <= self.finished
-
-
 # --- one chat request ---------------------------------------------------------------------
 
 def _bad(message: str, param: str | None = None) -> RelayError:
@@ -386,13 +341,13 @@ class ChatRequest:
         ended = False
         try:
             try:
-                call, provider, priority = self._prepare(body)
+                call, plan, priority = self._prepare(body)
             except RelayError as exc:
                 self._fail(exc)
                 await send_error(self.send, exc)
                 ended = True
                 return
-            await self._run(call, provider, priority)
+            await self._run(call, plan, priority)
             ended = True
         except Exception as exc:  # a bug: still one record, still an E1 body if we can
             logger.exception("request %s crashed", record.id)
@@ -417,7 +372,7 @@ class ChatRequest:
         self.record.reason = error.reason
         self.record.phase = error.phase
 
-    def _prepare(self, body: bytes) -> tuple[Call, Provider, str]:
+    def _prepare(self, body: bytes) -> tuple[Call, Plan, str]:
         record = self.record
         priority = (_header(self.scope, b"x-relay-priority") or "normal").strip().lower()
         if priority not in PRIORITIES:
@@ -429,42 +384,60 @@ class ChatRequest:
         if self.relay.draining:
             raise RelayError("shutting_down", "relay is shutting down and takes no new "
                              "requests; retry when it is back", retry_after_s=5.0)
-        provider, model = self.relay.resolve(data["model"])
-        record.provider, record.model = provider.name, model
-        params = {k: v for k, v in data.items() if k not in ("model", "messages", "stream")}
-        call = Call(request_id=record.id, provider=provider.name, model=model,
+        plan = make_plan(self.relay, data["model"], data.get("fallbacks"))
+        primary = plan.targets[0]
+        record.route = plan.route.name if plan.route else None
+        record.provider, record.model = primary.provider.name, primary.model
+        params = {k: v for k, v in data.items()
+                  if k not in ("model", "messages", "stream", "fallbacks")}
+        call = Call(request_id=record.id, provider=primary.provider.name, model=primary.model,
                     messages=data["messages"], stream=record.stream, params=params)
-        provider.adapter.check_call(call)
+        if len(plan.targets) == 1:
+            primary.provider.adapter.check_call(call)  # a plain 400, before anything else
         self.client_model = data["model"]
         self.include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
         self.progress_events = (_header(self.scope, b"x-relay-progress") or "").strip() == "events"
-        return call, provider, priority
+        return call, plan, priority
 
-    async def _run(self, call: Call, provider: Provider, priority: str) -> None:
+    async def _run(self, call: Call, plan: Plan, priority: str) -> None:
         from .core import RequestStop
 
         record = self.record
         out, events = trio.open_memory_channel[Any](CHANNEL_SIZE)
-        writer = (StreamWriter if call.stream else JSONWriter)(self, provider)
+        writer = (StreamWriter if call.stream else JSONWriter)(self, plan.targets[0].name)
         stop = RequestStop(trio.CancelScope())
+        dispatcher = Dispatcher(self.relay, plan, call, priority, record, stop, call.stream)
         self.relay.track(stop)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_disconnect, nursery.cancel_scope)
-                nursery.start_soon(self._attempt, call, provider, priority, stop, out)
+                watcher = trio.CancelScope()
+                nursery.start_soon(self._watch_disconnect, nursery.cancel_scope, watcher)
+                nursery.start_soon(dispatcher.run, nursery, out)
                 async with events:
                     await writer.pump(events)
-                nursery.cancel_scope.cancel()  # the watcher: the attempt has ended already
+                # Answered. A timed-out attempt may still be cleaning up beside us: the
+                # request ends when it has (its lane is held until then).
+                watcher.cancel()
         finally:
             self.relay.untrack(stop)
             if stop.requested_at is not None and record.stop_requested_at is None:
                 record.stop_requested_at = stop.requested_at
+            releases = [a.released_at for a in record.attempts if a.released_at is not None]
+            record.released_at = max(releases) if releases else None
+            timeouts = [r for r in dispatcher.runs if r.error is not None
+                        and r.error.phase == "timeout" and r.stopped_at is not None]
+            if timeouts and record.stop_requested_at is None:
+                record.stop_requested_at = timeouts[0].stopped_at
         if self.client_gone:
             record.status, record.reason, record.phase = 499, "client_disconnected", "stop"
 
-    async def _watch_disconnect(self, request_scope: trio.CancelScope) -> None:
-        while (await self.receive())["type"] != "http.disconnect":
-            pass
+    async def _watch_disconnect(self, request_scope: trio.CancelScope,
+                                watcher: trio.CancelScope) -> None:
+        with watcher:
+            while (await self.receive())["type"] != "http.disconnect":
+                pass
+        if watcher.cancelled_caught:
+            return
         if self.answered:
             return
         self.client_gone = True
@@ -472,72 +445,12 @@ class ChatRequest:
             self.record.stop_requested_at = trio.current_time()
         request_scope.cancel()
 
-    async def _attempt(self, call: Call, provider: Provider, priority: str, stop: Any,
-                       out: trio.MemorySendChannel[Any]) -> None:
-        record = self.record
-        attempt = Attempt(provider=provider.name, model=call.model,
-                          started=trio.current_time())
-        record.attempts.append(attempt)
-        sink = AttemptSink(out)
-        error: RelayError | None = None
-        ticket = None
-
-        def tell(event: Queued | Started) -> None:
-            try:
-                out.send_nowait(event)
-            except trio.WouldBlock:  # cannot happen before the adapter runs; harmless
-                pass
-
-        async with out:
-            try:
-                with stop.scope:
-                    async with provider.lane.slot(priority,
-                                                  on_queued=lambda: tell(Queued())) as ticket:
-                        record.queue_ms = round(ticket.queue_s * 1000, 3)
-                        tell(Started())
-                        run_s = provider.config.profile.run_timeout_s
-                        with trio.move_on_after(run_s) as run_scope:
-                            await provider.adapter.run(call, sink)
-                        if run_scope.cancelled_caught:
-                            record.stop_requested_at = run_scope.deadline
-                            raise RelayError(
-                                "run_timeout", f"provider {provider.name!r} did not finish "
-                                f"within its run timeout of {run_s:g} s ([providers."
-                                f"{provider.name}.profile] run_timeout_s); it was stopped",
-                                provider=provider.name)
-                        if not sink.complete:
-                            raise RelayError(
-                                "stream_cut", f"provider {provider.name!r} ended its answer "
-                                "before it was complete", provider=provider.name)
-                if stop.scope.cancelled_caught:
-                    error = stop.error
-            except RelayError as exc:
-                error = exc
-            except Exception as exc:
-                logger.exception("adapter %s crashed on request %s", provider.name, record.id)
-                error = RelayError("internal_error", f"the {provider.config.adapter!r} adapter "
-                                   f"failed unexpectedly ({type(exc).__name__}); see relay's "
-                                   f"log for request {record.id}", provider=provider.name)
-            finally:
-                sink.closed = True
-                now = trio.current_time()
-                attempt.duration_ms = round((now - attempt.started) * 1000, 3)
-                if ticket is not None:
-                    attempt.released_at = record.released_at = ticket.released_at
-                    if ticket.started_at is not None and ticket.released_at is not None:
-                        record.run_ms = round((ticket.released_at - ticket.started_at) * 1000,
-                                              3)
-                attempt.ok = error is None and sink.complete
-                attempt.failure = error.reason if error is not None else (
-                    None if attempt.ok else "stopped")
-            await out.send(Ended(error))
-
 
 class _Writer:
-    def __init__(self, request: ChatRequest, provider: Provider) -> None:
+    def __init__(self, request: ChatRequest, model: str) -> None:
         self.request = request
         self.relay = request.relay
-        self.provider = provider
+        self.model = model  # "provider/model" of the attempt that answers
         self.send = request.send
         self.record = request.record
         self.created = int(time.time())
@@ -562,7 +475,12 @@ class JSONWriter(_Writer):
     async def pump(self, events: trio.MemoryReceiveChannel[Any]) -> None:
         choices: dict[int, dict[str, Any]] = {}
         async for event in events:
-            if isinstance(event, Delta):
+            if isinstance(event, AttemptStarted):
+                self.model = event.model
+                if not event.continues:  # whatever an earlier attempt produced is void
+                    choices.clear()
+                    self.usage = self.record.usage = None
+            elif isinstance(event, Delta):
                 _merge(choices.setdefault(event.index, _new_choice(event.index)), event)
             elif isinstance(event, Finish):
                 choices.setdefault(event.index, _new_choice(event.index))["finish_reason"] = (
@@ -574,7 +492,7 @@ class JSONWriter(_Writer):
                     return
                 body: dict[str, Any] = {
                     "id": self.completion_id, "object": "chat.completion",
-                    "created": self.created, "model": self.request.client_model,
+                    "created": self.created, "model": self.model,
                     "choices": [choices[i] for i in sorted(choices)]}
                 if self.usage is not None:
                     body["usage"] = self.usage.as_dict()
@@ -619,14 +537,19 @@ def _merge(choice: dict[str, Any], delta: Delta) -> None:
 class StreamWriter(_Writer):
     """A streamed answer: SSE, heartbeats, waiting notices, coalesced sends (SPEC A2, C3)."""
 
-    def __init__(self, request: ChatRequest, provider: Provider) -> None:
-        super().__init__(request, provider)
+    def __init__(self, request: ChatRequest, model: str) -> None:
+        super().__init__(request, model)
         self.heartbeat_s = request.server.heartbeat_s
         self.last_write = trio.current_time()
         self.queued_at: float | None = None
+        self.queued_on: Any = None  # the provider whose queue we wait in
         self.roles_sent: set[int] = set()
+        self._set_model(model)
+
+    def _set_model(self, model: str) -> None:
+        self.model = model
         prefix = _dumps({"id": self.completion_id, "object": "chat.completion.chunk",
-                         "created": self.created, "model": request.client_model})
+                         "created": self.created, "model": model})
         self.chunk_head = b"data: " + prefix[:-1] + b',"choices":[{"index":'
 
     async def _start(self) -> None:
@@ -650,7 +573,7 @@ class StreamWriter(_Writer):
                 + b',"finish_reason":' + tail + b"}]}\n\n")
 
     def _waiting_notice(self) -> bytes:
-        stats = self.provider.lane.statistics()
+        stats = self.queued_on.lane.statistics()
         now = trio.current_time()
         elapsed = now - (self.queued_at if self.queued_at is not None else now)
         if self.request.progress_events:
@@ -702,7 +625,11 @@ class StreamWriter(_Writer):
                     out += self._chunk(event.index, delta)
                 elif isinstance(event, Finish):
                     out += self._chunk(event.index, {}, event.reason)
+                elif isinstance(event, AttemptStarted):
+                    self._set_model(event.model)
+                    self.usage = self.record.usage = None
                 elif isinstance(event, Queued):
+                    self.queued_on = event.provider
                     self.queued_at = trio.current_time()
                     next_notice = self.queued_at  # at once, then every 2 s
                 elif isinstance(event, Started):
@@ -726,7 +653,7 @@ class StreamWriter(_Writer):
             if self.request.include_usage and self.usage is not None:
                 out += b"data: " + _dumps({
                     "id": self.completion_id, "object": "chat.completion.chunk",
-                    "created": self.created, "model": self.request.client_model,
+                    "created": self.created, "model": self.model,
                     "choices": [], "usage": self.usage.as_dict()}) + b"\n\n"
             out += b"data: [DONE]\n\n"
             await self._write(bytes(out), more=False)

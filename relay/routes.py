@@ -53,8 +53,10 @@ def make_quart_app(relay: Relay) -> QuartTrio:
         async with trio.open_nursery() as nursery:
             for provider in relay.providers.values():
                 nursery.start_soon(provider.refresh_models)
-        data = [{"id": ident, "object": "model", "created": 0,
-                 "owned_by": ident.partition("/")[0]} for ident in relay.model_ids()]
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "relay"}
+                for name in relay.config.routes]
+        data += [{"id": ident, "object": "model", "created": 0,
+                  "owned_by": ident.partition("/")[0]} for ident in relay.model_ids()]
         return Response(_json({"object": "list", "data": data}),
                         content_type="application/json")
 

@@ -56,10 +56,12 @@ async def test_run_timeout_keeps_the_slot_until_the_adapter_stopped(
         nursery: trio.Nursery, relay_: Relay, autojump_clock: trio.abc.Clock) -> None:
     t0 = trio.current_time()
     res = start(nursery, relay_, chat("fake/echo?delay_s=1000&ignore_stop_s=3"))
-    await trio.sleep(50.5)   # the run timeout (50 s) has fired; the fake ignores it for 3 s
+    await res.complete.wait()   # the client hears at once, at the run timeout (50 s) ...
+    assert res.status_at == t0 + 50
+    assert stats(relay_) == (1, 0)   # ... but the fake ignores the stop for 3 s: slot held
+    await trio.sleep(2.9)
     assert stats(relay_) == (1, 0)
-    assert res.status is None
-    await res.done.wait()
+    await res.done.wait()            # the request ends only when its attempt has
     assert trio.current_time() - t0 == pytest.approx(53.0)
     assert stats(relay_) == (0, 0)
     assert res.status == 504
@@ -68,6 +70,7 @@ async def test_run_timeout_keeps_the_slot_until_the_adapter_stopped(
     assert rec["reason"] == "run_timeout" and rec["status"] == 504
     assert rec["stop_requested_at"] is not None and rec["released_at"] is not None
     assert rec["stop_requested_at"] < rec["released_at"]
+    assert rec["attempts"][0]["failure"] == "run_timeout"
 
 
 async def test_a_queued_stream_gets_200_at_once_and_notices_every_2s(

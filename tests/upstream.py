@@ -157,6 +157,7 @@ class FakeUpstream:
         self.base_url = f"http://127.0.0.1:{port}"
         self.url = f"{self.base_url}/v1"
         self.scripts: dict[str, Script] = {}
+        self.sequences: dict[str, list[Script]] = {}
         self.default_script = Script()
         self.models: list[str] = list(models) if models is not None else ["m1"]
         self.requests: list[Recorded] = []
@@ -176,6 +177,12 @@ class FakeUpstream:
         return self._active
 
     def script_for(self, model: str) -> Script:
+        """The script for one request. A list in `sequences` is played in order, one
+        script per request, its last one repeating: `[Script(status=500), Script()]`
+        fails once, then answers."""
+        seq = self.sequences.get(model)
+        if seq:
+            return seq.pop(0) if len(seq) > 1 else seq[0]
         return self.scripts.get(model, self.default_script)
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:

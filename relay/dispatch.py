@@ -1,0 +1,520 @@
+"""Attempts: one request's targets, tried in order inside one time budget (SPEC F1-F8).
+
+Theory of operation. A request resolves to a `Plan`: a route (or a bare target) gives an
+ordered list of targets — the primary, then the fallbacks — each ``provider/model``, each
+tried at most ``1 + retries`` times and never returned to once left (F3). The
+`Dispatcher` runs the plan as one task of the request's nursery and starts every attempt
+as a task of its own in that nursery::
+
+    dispatcher ── attempt 1: lane.slot → run-timeout scope → adapter.run(call, sink)
+               ├─ attempt 2 (a fallback): started while attempt 1 may still be cleaning up
+               └─ … then Ended(error | None) to the writer, once the outcome is known
+
+The dispatcher watches each attempt's deadlines itself — its own timeout, the route's
+budget, the provider's run timeout, time to first token, stalls — and at the first to pass
+it cancels the attempt, closes its sink (so a late result is never used, F5) and decides
+at once: retry, fall back, or fail. A cancelled attempt's cleanup (an interrupt grace, a
+kill) goes on beside the next attempt, holding its own lane until it ends; the request ends
+only when every attempt has (its record's ``released_at`` is the last release).
+
+What may fall back is decided by the error's reason (`FALLBACK_ON`, F2); what may be
+retried on the same target by `RETRY_ON` (never after a timeout or a 4xx). Once part of a
+streamed answer has reached the client, the next attempt must continue from it (an
+assistant prefill) on a provider that can (``prefill``); otherwise the stream ends with an
+in-band error — never as a complete answer (F8).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from .config import RouteConfig, check_target
+from .errors import RelayError
+from .events import Call, Delta, Finish
+from .records import Attempt, Record
+
+if TYPE_CHECKING:
+    from .core import Provider, Relay, RequestStop
+
+__all__ = ["FALLBACK_ON", "RETRY_ON", "AttemptStarted", "Dispatcher", "Ended", "Plan",
+           "Queued", "Started", "make_plan"]
+
+logger = logging.getLogger("relay.dispatch")
+
+# F2: the failures a different target may fix.
+FALLBACK_ON = frozenset({
+    "run_timeout", "attempt_timeout", "first_token_timeout", "stall_timeout",
+    "rate_limited", "quota_exhausted", "stream_cut", "bad_upstream_response",
+    "upstream_unavailable", "upstream_error", "context_too_long",
+    "provider_queue_full", "provider_queue_timeout",
+})
+# F3: the failures the same target may fix when asked again (never a timeout or a 4xx).
+RETRY_ON = frozenset({"rate_limited", "upstream_error", "upstream_unavailable", "stream_cut"})
+
+
+# --- what flows to the writer besides the adapters' own events ------------------------------
+
+@attrs.frozen(slots=True)
+class Queued:
+    """The attempt has to wait in its provider's queue."""
+
+    provider: Provider
+
+
+@attrs.frozen(slots=True)
+class Started:
+    """The attempt holds a slot; the adapter is running."""
+
+
+@attrs.frozen(slots=True)
+class AttemptStarted:
+    """A new attempt begins. ``continues``: it continues the text already sent (prefill);
+    otherwise whatever an earlier attempt produced is void."""
+
+    model: str  # "provider/model", as the answer reports it
+    continues: bool
+
+
+@attrs.frozen(slots=True)
+class Ended:
+    """The request's outcome is known; ``error`` says how it failed."""
+
+    error: RelayError | None
+
+
+# --- the plan ------------------------------------------------------------------------------
+
+@attrs.frozen
+class Target:
+    provider: Provider
+    model: str
+    role: str  # primary | fallback
+
+    @property
+    def name(self) -> str:
+        return f"{self.provider.name}/{self.model}"
+
+
+@attrs.frozen
+class Plan:
+    targets: list[Target]
+    route: RouteConfig | None = None
+
+    @property
+    def retries(self) -> int:
+        return self.route.retries if self.route else 0
+
+    def timeout_for(self, target: Target) -> float | None:
+        if self.route is None:
+            return None
+        if target.role == "primary":
+            return self.route.primary_timeout_s
+        return self.route.fallback_timeout_s
+
+
+def make_plan(relay: Relay, model: str, body_fallbacks: Any) -> Plan:
+    """Resolve ``model`` (a route, ``provider/model`` or a bare model) and the body's own
+    ``fallbacks`` (which replace the route's; ``[]`` means none).
+
+    Raises:
+        RelayError: ``unknown_model`` or ``invalid_request``.
+    """
+    route = relay.config.routes.get(model)
+    if route is not None:
+        provider, name = relay.resolve(route.primary)
+        fallbacks = list(route.fallbacks)
+    else:
+        provider, name = relay.resolve(model)
+        fallbacks = []
+    if body_fallbacks is not None:
+        if not isinstance(body_fallbacks, list) or not all(
+                isinstance(f, str) for f in body_fallbacks):
+            raise RelayError("invalid_request", "'fallbacks' must be a list of "
+                             "PROVIDER/MODEL strings", param="fallbacks")
+        fallbacks = body_fallbacks
+    targets = [Target(provider, name, "primary")]
+    seen = {targets[0].name}
+    for entry in fallbacks:
+        problem = check_target(entry, {n: p.config for n, p in relay.providers.items()})
+        if problem is not None:
+            raise RelayError("unknown_model", f"fallback {problem}", param="fallbacks")
+        fb_provider, fb_model = relay.resolve(entry)
+        target = Target(fb_provider, fb_model, "fallback")
+        if target.name in seen:
+            raise RelayError("invalid_request", f"fallback {entry!r} is listed twice (or "
+                             "is the primary); each target is tried at most once",
+                             param="fallbacks")
+        seen.add(target.name)
+        targets.append(target)
+    return Plan(targets, route)
+
+
+# --- one attempt ----------------------------------------------------------------------------
+
+@attrs.define
+class Delivered:
+    """What of a streamed answer has reached the client, across attempts."""
+
+    text: str = ""              # choice 0's text
+    other_output: bool = False  # tool calls, extra fields, more choices: not continuable
+
+    @property
+    def any(self) -> bool:
+        return bool(self.text) or self.other_output
+
+
+class AttemptSink:
+    """What an adapter sends into. Forwards events to the writer, tracks progress (text
+    sent, first and last token), and drops everything once the attempt is over."""
+
+    def __init__(self, out: trio.MemorySendChannel[Any]) -> None:
+        self._out = out
+        self.open_choices: set[int] = set()
+        self.finished: set[int] = set()
+        self.closed = False
+        self.text = ""             # choice 0's text accepted so far (for a prefill)
+        self.other_output = False  # tool calls or extra fields: cannot be continued
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        # Called on the first token: the dispatcher's deadlines change then. Later
+        # tokens only push the stall deadline on, which it re-checks when it wakes.
+        self.on_first_token: Any = None
+
+    async def send(self, event: Any) -> None:
+        if self.closed:
+            # The attempt was left (timed out, or the request moved on): a late result is
+            # never used. Raising stops the adapter promptly.
+            raise trio.Cancelled._create()  # pragma: no cover - the scope is cancelled too
+        if isinstance(event, Delta):
+            self.open_choices.add(event.index)
+            now = trio.current_time()
+            if self.first_token_at is None:
+                self.first_token_at = now
+                if self.on_first_token is not None:
+                    self.on_first_token()
+            self.last_token_at = now
+            if event.content and event.index == 0:
+                self.text += event.content
+            if event.tool_calls or event.extra or event.index != 0:
+                self.other_output = True
+        elif isinstance(event, Finish):
+            self.open_choices.add(event.index)
+            self.finished.add(event.index)
+        await self._out.send(event)
+
+    def tell(self, event: Any) -> None:
+        """A notice from the lane (queued, started): never blocks, dropped once closed."""
+        if not self.closed:
+            try:
+                self._out.send_nowait(event)
+            except trio.WouldBlock:
+                pass  # the writer also reads the lane's statistics on its own
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.finished) and self.open_choices <= self.finished
+
+
+@attrs.define(eq=False)
+class _Run:
+    """One attempt in flight, as the dispatcher sees it."""
+
+    target: Target
+    call: Call
+    sink: AttemptSink
+    record: Attempt
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    changed: trio.Event = attrs.field(factory=trio.Event)
+    running_since: float | None = None
+    run_deadline: float = math.inf
+    finished_at: float | None = None
+    stopped_at: float | None = None  # when the dispatcher stopped it (a timeout)
+    error: RelayError | None = None
+
+    def poke(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+# --- the dispatcher -------------------------------------------------------------------------
+
+class Dispatcher:
+    def __init__(self, relay: Relay, plan: Plan, call: Call, priority: str,
+                 record: Record, stop: RequestStop, stream: bool) -> None:
+        self.relay = relay
+        self.plan = plan
+        self.base_call = call
+        self.priority = priority
+        self.record = record
+        self.stop = stop
+        self.stream = stream
+        self.runs: list[_Run] = []
+
+    async def run(self, nursery: trio.Nursery, out: trio.MemorySendChannel[Any]) -> None:
+        """Try the plan's targets; send the writer its events and, last, `Ended`."""
+        async with out:
+            with self.stop.scope:
+                error = await self._try_all(nursery, out)
+                await out.send(Ended(error))
+                return
+            # Stopped from outside (a drain): stop every attempt; the writer still
+            # reports it, and the request ends when their cleanups have.
+            for run in self.runs:
+                run.sink.closed = True
+                run.scope.cancel()
+            await out.send(Ended(self.stop.error))
+
+    async def _try_all(self, nursery: trio.Nursery,
+                       out: trio.MemorySendChannel[Any]) -> RelayError | None:
+        route = self.plan.route
+        budget = route.total_budget_s() if route else None
+        deadline = self.record_start() + budget if budget is not None else math.inf
+        original: RelayError | None = None   # the failure that broke a streamed answer
+        last: RelayError | None = None
+        sent = Delivered()                   # what has reached the client so far
+        for target in self.plan.targets:
+            call = self._call_for(target, sent)
+            if call is None:                 # cannot continue the text already sent
+                logger.info("skipped request=%s target=%s: cannot continue a partly "
+                            "sent answer (prefill off)", self.record.id, target.name)
+                continue
+            try:
+                target.provider.adapter.check_call(call)
+            except RelayError as exc:        # skipped, recorded as unsupported (F2)
+                self._skip(target, exc)
+                last = last or exc
+                continue
+            for attempt_no in range(1 + self.plan.retries):
+                if trio.current_time() >= deadline:
+                    return self._final(RelayError(
+                        "budget_exhausted", f"route {route.name if route else ''!r} used "
+                        f"its whole budget of {budget:g} s before {target.name} could be "
+                        "tried", provider=target.provider.name), original)
+                if self.runs:
+                    self.record.fallback_triggered |= target.role == "fallback"
+                    if attempt_no == 0 and target.role == "fallback":
+                        logger.info("fallback_triggered request=%s from=%s to=%s reason=%s",
+                                    self.record.id, self.runs[-1].target.name, target.name,
+                                    last.reason if last else None)
+                run = await self._attempt(nursery, out, target, call, sent, deadline)
+                if run.error is None:
+                    return None
+                last = run.error
+                if sent.any and original is None:
+                    original = run.error
+                if run.error.reason not in RETRY_ON or attempt_no == self.plan.retries:
+                    break
+                wait = run.error.retry_after_s or 0.0
+                if trio.current_time() + wait >= deadline:
+                    break                     # Retry-After does not fit: move on at once
+                call = self._call_for(target, sent)
+                if call is None:
+                    break
+                await trio.sleep(wait)
+            assert last is not None
+            if last.reason not in FALLBACK_ON:
+                break
+        return self._final(last, original)
+
+    def record_start(self) -> float:
+        return self.record.started_at
+
+    def _call_for(self, target: Target, sent: Delivered) -> Call | None:
+        """The call for ``target``: the request as sent, or — when part of a streamed
+        answer has reached the client — continued from it, if the provider can."""
+        base = attrs.evolve(self.base_call, provider=target.provider.name, model=target.model)
+        if not sent.any:
+            return base
+        if sent.other_output or not target.provider.config.prefill or not sent.text:
+            return None
+        return attrs.evolve(base, messages=[*base.messages,
+                                            {"role": "assistant", "content": sent.text}])
+
+    def _skip(self, target: Target, exc: RelayError) -> None:
+        now = trio.current_time()
+        self.record.attempts.append(Attempt(
+            provider=target.provider.name, model=target.model, role=target.role, ok=False,
+            started=now, duration_ms=0.0, failure="unsupported"))
+        logger.info("attempt_completed request=%s target=%s role=%s ok=false "
+                    "failure=unsupported (%s)", self.record.id, target.name, target.role,
+                    exc.message)
+
+    def _final(self, error: RelayError | None, original: RelayError | None) -> RelayError | None:
+        if error is None:
+            return None
+        # A continuation the fallback refused: the client sees the failure that mattered.
+        if original is not None and error is not original and error.reason not in FALLBACK_ON:
+            error = original
+        tried = self.record.attempts
+        if len(tried) > 1:
+            summary = "; ".join(f"{a.role} {a.provider}/{a.model}: {a.failure or 'ok'}"
+                                for a in tried)
+            error = RelayError(error.reason, f"{error.message} (attempts: {summary})",
+                               status=error.status, provider=error.provider,
+                               retry_after_s=error.retry_after_s, action=error.action,
+                               upstream_status=error.upstream_status,
+                               upstream_message=error.upstream_message, param=error.param)
+        return error
+
+    async def _attempt(self, nursery: trio.Nursery, out: trio.MemorySendChannel[Any],
+                       target: Target, call: Call, sent: Delivered,
+                       budget_deadline: float) -> _Run:
+        now = trio.current_time()
+        record = Attempt(provider=target.provider.name, model=target.model, role=target.role,
+                         started=now)
+        self.record.attempts.append(record)
+        self.record.provider, self.record.model = target.provider.name, target.model
+        sink = AttemptSink(out)
+        sink.text, sink.other_output = sent.text, sent.other_output
+        run = _Run(target, call, sink, record)
+        sink.on_first_token = run.poke
+        self.runs.append(run)
+        await out.send(AttemptStarted(target.name, continues=sent.any))
+        own = self.plan.timeout_for(target)
+        own_deadline = now + own if own is not None else math.inf
+        nursery.start_soon(self._run_attempt, run)
+
+        route = self.plan.route
+        while run.finished_at is None:
+            limits = [(own_deadline, "attempt_timeout"), (budget_deadline, "budget_exhausted"),
+                      (run.run_deadline, "run_timeout")]
+            # Token limits need tokens: they apply to streamed answers only (a plain
+            # answer arrives whole, its first token is its last).
+            if route is not None and run.running_since is not None and self.stream:
+                if route.first_token_timeout_s is not None and sink.first_token_at is None:
+                    limits.append((run.running_since + route.first_token_timeout_s,
+                                   "first_token_timeout"))
+                if route.stall_timeout_s is not None and sink.last_token_at is not None:
+                    limits.append((sink.last_token_at + route.stall_timeout_s,
+                                   "stall_timeout"))
+            when, reason = min(limits)
+            changed = run.changed
+            with trio.move_on_at(when):
+                await changed.wait()
+            if run.finished_at is None and trio.current_time() >= when and self._expired(
+                    run, when, reason):
+                run.error = self._timeout(run, reason, own, budget_deadline)
+                run.record.failure = run.error.reason
+                run.stopped_at = when
+                run.scope.cancel()          # its cleanup goes on beside what comes next
+                sink.closed = True
+                break
+        if self.stream:  # a plain answer reaches the client only at the end
+            sent.text, sent.other_output = sink.text, sink.other_output
+        self._log(run)
+        return run
+
+    def _expired(self, run: _Run, when: float, reason: str) -> bool:
+        # Progress may have pushed a stall deadline on while we slept: look again.
+        if reason == "stall_timeout" and run.sink.last_token_at is not None:
+            route = self.plan.route
+            assert route is not None and route.stall_timeout_s is not None
+            return trio.current_time() >= run.sink.last_token_at + route.stall_timeout_s
+        return True
+
+    def _timeout(self, run: _Run, reason: str, own: float | None,
+                 budget_deadline: float) -> RelayError:
+        name = run.target.name
+        provider = run.target.provider.name
+        route = self.plan.route
+        if reason == "attempt_timeout":
+            said = f"{name} did not answer within its attempt timeout of {own:g} s"
+        elif reason == "budget_exhausted":
+            said = (f"route {route.name if route else ''!r} ran out of its "
+                    f"{route.total_budget_s() if route else 0:g} s budget while {name} "
+                    "was answering")
+        elif reason == "run_timeout":
+            limit = run.target.provider.config.profile.run_timeout_s
+            said = (f"provider {provider!r} did not finish within its run timeout of "
+                    f"{limit:g} s ([providers.{provider}.profile] run_timeout_s)")
+        elif reason == "first_token_timeout":
+            said = (f"{name} sent no first token within {route.first_token_timeout_s:g} s "
+                    if route else "")
+        else:
+            said = (f"{name} stalled: no token for {route.stall_timeout_s:g} s" if route
+                    else "")
+        return RelayError(reason, f"{said.rstrip()}; it was stopped", provider=provider)
+
+    async def _run_attempt(self, run: _Run) -> None:
+        """One attempt's task: lane slot, run-timeout scope, adapter. Its outcome is
+        written into ``run``; the dispatcher may have moved on long before it ends."""
+        provider = run.target.provider
+        ticket = None
+        error: RelayError | None = None
+        try:
+            with run.scope:
+                async with provider.lane.slot(
+                        self.priority, on_queued=lambda: run.sink.tell(Queued(provider))
+                ) as ticket:
+                    self.record.queue_ms = round((self.record.queue_ms or 0.0)
+                                                 + ticket.queue_s * 1000, 3)
+                    run.sink.tell(Started())
+                    run.running_since = trio.current_time()
+                    run_s = provider.config.profile.run_timeout_s
+                    run.run_deadline = run.running_since + run_s
+                    run.poke()
+                    with trio.move_on_at(run.run_deadline) as run_scope:
+                        await provider.adapter.run(run.call, run.sink)
+                    if run_scope.cancelled_caught:
+                        run.stopped_at = run.run_deadline
+                        raise self._timeout(run, "run_timeout", None, math.inf)
+                    if not run.sink.complete:
+                        raise RelayError("stream_cut", f"provider {provider.name!r} ended "
+                                         "its answer before it was complete",
+                                         provider=provider.name)
+                    self._check_response(run)
+        except RelayError as exc:
+            error = exc
+        except Exception as exc:
+            logger.exception("adapter %s crashed on request %s", provider.name,
+                             self.record.id)
+            error = RelayError("internal_error", f"the {provider.config.adapter!r} adapter "
+                               f"failed unexpectedly ({type(exc).__name__}); see relay's log "
+                               f"for request {self.record.id}", provider=provider.name)
+        finally:
+            now = trio.current_time()
+            attempt = run.record
+            attempt.duration_ms = round((now - attempt.started) * 1000, 3)
+            if ticket is not None and ticket.released_at is not None:
+                attempt.released_at = ticket.released_at
+                if ticket.started_at is not None:  # summed over the attempts
+                    self.record.run_ms = round((self.record.run_ms or 0.0) + (
+                        ticket.released_at - ticket.started_at) * 1000, 3)
+            if run.error is None:        # the dispatcher has not given up on it
+                run.error = error
+                if error is None and not run.sink.complete:
+                    run.error = RelayError("internal_error", "the attempt ended without "
+                                           "an answer", provider=provider.name)
+                attempt.ok = run.error is None
+                attempt.failure = run.error.reason if run.error else None
+                if run.scope.cancelled_caught and run.error is None:
+                    attempt.failure = "stopped"
+            run.sink.closed = True
+            run.finished_at = now
+            run.poke()
+
+    def _check_response(self, run: _Run) -> None:
+        """F8: a response check is part of the attempt. JSON modes must give JSON."""
+        fmt = run.call.params.get("response_format")
+        if self.stream or not isinstance(fmt, dict):
+            return
+        if fmt.get("type") in ("json_object", "json_schema"):
+            try:
+                json.loads(run.sink.text)
+            except ValueError as exc:
+                raise RelayError("bad_upstream_response", f"{run.target.name} was asked "
+                                 f"for JSON ({fmt['type']}) and answered text that is not "
+                                 "JSON", provider=run.target.provider.name) from exc
+
+    def _log(self, run: _Run) -> None:
+        a = run.record
+        logger.info("attempt_completed request=%s target=%s role=%s ok=%s failure=%s "
+                    "duration_ms=%s", self.record.id, run.target.name, a.role,
+                    str(run.error is None).lower(), run.error.reason if run.error else None,
+                    round((trio.current_time() - a.started) * 1000, 1))
