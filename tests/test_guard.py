@@ -384,7 +384,7 @@ async def test_bare_model_resolves(nursery: trio.Nursery, tmp_path: Path,
     served = await start_relay(nursery, FAKE_ONLY, tmp_path)
     r = await client.post(served.url + CHAT, json=chat("echo", "bare"))
     assert r.status_code == 200, r.text
-    assert r.json()["model"] == "echo"
+    assert r.json()["model"] == "fake/echo"   # the model that answered, provider included
     assert r.json()["choices"][0]["message"]["content"] == "bare"
 
 

@@ -403,6 +403,7 @@ async def test_request_fields_pass_through(nursery: trio.Nursery, tmp_path: Path
                                            upstream: FakeUpstream, client: httpx.AsyncClient,
                                            stream: bool) -> None:
     served = await start_relay(nursery, with_upstream(upstream), tmp_path)
+    upstream.scripts["Qwen/Qwen3-8B"] = Script(chunks=['{"a":', ' 1}'])  # JSON was asked
     messages = [{"role": "system", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     body = {"model": "up/Qwen/Qwen3-8B", "messages": messages, "stream": stream, **PASSED}
@@ -551,3 +552,14 @@ async def test_openai_client_run_timeout(nursery: trio.Nursery, tmp_path: Path,
     assert (rec["status"], rec["reason"], rec["phase"]) == (504, "run_timeout", "timeout")
     assert rec["stop_requested_at"] is not None and rec["released_at"] is not None
     assert lane_idle(served)
+
+
+async def test_a_json_answer_that_is_not_json_is_a_failure_not_a_success(
+        nursery: trio.Nursery, tmp_path: Path, upstream: FakeUpstream,
+        client: httpx.AsyncClient) -> None:
+    served = await start_relay(nursery, with_upstream(upstream), tmp_path)
+    upstream.scripts["m1"] = Script(chunks=["Sure! Here is", " your JSON"])
+    r = await client.post(served.url + CHAT, json=chat(
+        "up/m1", response_format={"type": "json_object"}))
+    assert r.status_code == 502
+    assert r.json()["error"]["code"] == "bad_upstream_response"
