@@ -28,18 +28,19 @@ import json
 import logging
 import os
 import secrets
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from .config import is_loopback_host
-from .dispatch import AttemptStarted, Dispatcher, Ended, Plan, Queued, Started, make_plan
+from .dispatch import Dispatcher, Plan, make_plan
 from .errors import RelayError
-from .events import Call, Delta, Finish, Skipped, Usage
+from .events import Call
 from .lanes import PRIORITIES
+from .openai_api import OPENAI
 from .records import Record
+from .writers import Dialect, JSONWriter, StreamWriter
 
 if TYPE_CHECKING:
     from .core import Relay
@@ -54,11 +55,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 CHANNEL_SIZE = 64
-COALESCE_MAX = 256  # events folded into one `send` when they are ready together
-WAITING_NOTICE_S = 2.0
-DRAIN_AFTER_DONE_S = 1.0
-INT_MAX = 2**31 - 1
-RELAY_ROUTES = frozenset({"/v1/chat/completions"})
+# The relay routes: served here in raw ASGI, each in its dialect (SPEC A1, A6).
+RELAY_ROUTES: dict[str, Dialect] = {"/v1/chat/completions": OPENAI}
 
 
 def _dumps(obj: Any) -> bytes:
@@ -74,8 +72,8 @@ async def send_json(send: Send, status: int, obj: Any,
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_error(send: Send, error: RelayError) -> None:
-    await send_json(send, error.status, error.body(), error.headers())
+async def send_error(send: Send, error: RelayError, dialect: Dialect = OPENAI) -> None:
+    await send_json(send, error.status, dialect.error_body(error), error.headers())
 
 
 # --- the guard layer (SPEC O4) ------------------------------------------------------------
@@ -129,10 +127,11 @@ class Guard:
                 message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
 
+        dialect = RELAY_ROUTES.get(scope["path"], OPENAI)
         refusal = self._refusal(scope, origin)
         if refusal is not None:
             self._record(scope, refusal)
-            await send_error(send_with_id, refusal)
+            await send_error(send_with_id, refusal, dialect)
             return
         if scope["method"] == "OPTIONS" and origin is not None:  # an allowed preflight
             await send_with_id({"type": "http.response.start", "status": 204, "headers": [
@@ -142,7 +141,7 @@ class Guard:
                 (b"access-control-max-age", b"600")]})
             await send_with_id({"type": "http.response.body", "body": b""})
             return
-        body = await self._read_body(scope, receive, send_with_id)
+        body = await self._read_body(scope, receive, send_with_id, dialect)
         if body is None:
             return
         await self.inner(scope, receive, send_with_id, body)
@@ -188,7 +187,8 @@ class Guard:
                             status=error.status, reason=error.reason, phase=error.phase)
             self.relay.records.write(record)
 
-    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send,
+                         dialect: Dialect) -> bytes | None:
         body = bytearray()
         with trio.move_on_after(self.body_timeout_s):
             while True:
@@ -201,14 +201,14 @@ class Guard:
                                        f"{self.max_body} bytes ([server] max_body_bytes)",
                                        status=413)
                     self._record(scope, error)
-                    await send_error(send, error)
+                    await send_error(send, error, dialect)
                     return None
                 if not message.get("more_body"):
                     return bytes(body)
         error = RelayError("invalid_request", f"the body did not arrive within "
                            f"{self.body_timeout_s:g} s ([server] body_timeout_s)", status=408)
         self._record(scope, error)
-        await send_error(send, error)
+        await send_error(send, error, dialect)
         return None
 
 
@@ -239,12 +239,13 @@ class Front:
         await self.guard(scope, receive, send)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
-        if scope["path"] in RELAY_ROUTES:
+        dialect = RELAY_ROUTES.get(scope["path"])
+        if dialect is not None:
             if scope["method"] != "POST":
-                await send_error(send, RelayError("invalid_request", "use POST for "
-                                                  "/v1/chat/completions", status=405))
+                await send_error(send, RelayError("invalid_request", f"use POST for "
+                                                  f"{scope['path']}", status=405), dialect)
                 return
-            await ChatRequest(self.relay, scope, receive, send).serve(body)
+            await ChatRequest(self.relay, scope, receive, send, dialect).serve(body)
             return
         replayed = False
 
@@ -260,67 +261,13 @@ class Front:
 
 # --- one chat request ---------------------------------------------------------------------
 
-def _bad(message: str, param: str | None = None) -> RelayError:
-    return RelayError("invalid_request", message, param=param)
-
-
-_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
-
-
-def parse_chat_body(body: bytes) -> dict[str, Any]:
-    """Check what relay itself reads from a chat body; everything else passes through.
-
-    Raises:
-        RelayError: ``invalid_request`` naming the field.
-    """
-    try:
-        data = json.loads(body)
-    except RecursionError as exc:
-        raise _bad("the JSON body is nested too deeply") from exc
-    except ValueError as exc:  # includes invalid UTF-8
-        raise _bad(f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise _bad("the body must be a JSON object")
-    model = data.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise _bad("'model' is required: a route name, PROVIDER/MODEL, or a model name",
-                   "model")
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty list of messages", "messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise _bad(f"messages[{i}] must be an object", "messages")
-        role = message.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise _bad(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}",
-                       "messages")
-        content = message.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise _bad(f"messages[{i}].content must be a string or a list of parts",
-                       "messages")
-        for j, part in enumerate(content if isinstance(content, list) else ()):
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise _bad(f"messages[{i}].content[{j}] must be an object with a 'type'",
-                           "messages")
-            if part["type"] == "text" and not isinstance(part.get("text"), str):
-                raise _bad(f"messages[{i}].content[{j}].text must be a string", "messages")
-    if not isinstance(data.get("stream", False), bool):
-        raise _bad("'stream' must be true or false", "stream")
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        value = data.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not 1 <= value <= INT_MAX):
-            raise _bad(f"'{key}' must be a whole number from 1 to {INT_MAX}", key)
-    options = data.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise _bad("'stream_options' must be an object", "stream_options")
-    return data
-
-
 class ChatRequest:
-    def __init__(self, relay: Relay, scope: Scope, receive: Receive, send: Send) -> None:
+    """One chat request, in any dialect: parse, plan, run, write, record."""
+
+    def __init__(self, relay: Relay, scope: Scope, receive: Receive, send: Send,
+                 dialect: Dialect) -> None:
         self.relay = relay
+        self.dialect = dialect
         self.scope = scope
         self.receive = receive
         self._send = send
@@ -336,6 +283,13 @@ class ChatRequest:
             self.answered = True  # from here on, a disconnect is the normal end
         await self._send(message)
 
+    async def send_json(self, status: int, obj: Any,
+                        headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        await send_json(self.send, status, obj, headers)
+
+    async def send_error(self, error: RelayError) -> None:
+        await send_error(self.send, error, self.dialect)
+
     async def serve(self, body: bytes) -> None:
         record = self.record
         ended = False
@@ -343,8 +297,8 @@ class ChatRequest:
             try:
                 call, plan, priority = self._prepare(body)
             except RelayError as exc:
-                self._fail(exc)
-                await send_error(self.send, exc)
+                self.fail(exc)
+                await self.send_error(exc)
                 ended = True
                 return
             await self._run(call, plan, priority)
@@ -354,11 +308,11 @@ class ChatRequest:
             kind = type(exc).__name__
             error = RelayError("internal_error", f"relay failed unexpectedly ({kind}); see "
                                f"its log for request {record.id}")
-            self._fail(error)
+            self.fail(error)
             ended = True
             if not self.headers_sent:
                 with trio.move_on_after(1.0, shield=True):
-                    await send_error(self.send, error)
+                    await self.send_error(error)
         finally:
             if not ended and record.reason is None:
                 # Cancelled from outside this request: the server is stopping.
@@ -367,7 +321,7 @@ class ChatRequest:
                 record.status, record.reason, record.phase = 503, "shutting_down", "shutdown"
             self.relay.records.write(record)
 
-    def _fail(self, error: RelayError) -> None:
+    def fail(self, error: RelayError) -> None:
         self.record.status = error.status
         self.record.reason = error.reason
         self.record.phase = error.phase
@@ -376,26 +330,23 @@ class ChatRequest:
         record = self.record
         priority = (_header(self.scope, b"x-relay-priority") or "normal").strip().lower()
         if priority not in PRIORITIES:
-            raise _bad(f"X-Relay-Priority must be one of {', '.join(PRIORITIES)}, not "
-                       f"{priority!r}")
+            raise RelayError("invalid_request", f"X-Relay-Priority must be one of "
+                             f"{', '.join(PRIORITIES)}, not {priority!r}")
         record.priority = priority
-        data = parse_chat_body(body)
-        record.stream = bool(data.get("stream", False))
+        chat = self.dialect.parse(body)
+        record.stream = chat.stream
         if self.relay.draining:
             raise RelayError("shutting_down", "relay is shutting down and takes no new "
                              "requests; retry when it is back", retry_after_s=5.0)
-        plan = make_plan(self.relay, data["model"], data.get("fallbacks"))
+        plan = make_plan(self.relay, chat.model, chat.fallbacks)
         primary = plan.targets[0]
         record.route = plan.route.name if plan.route else None
         record.provider, record.model = primary.provider.name, primary.model
-        params = {k: v for k, v in data.items()
-                  if k not in ("model", "messages", "stream", "fallbacks")}
         call = Call(request_id=record.id, provider=primary.provider.name, model=primary.model,
-                    messages=data["messages"], stream=record.stream, params=params)
+                    messages=chat.messages, stream=chat.stream, params=chat.params)
         if len(plan.targets) == 1:
             primary.provider.adapter.check_call(call)  # a plain 400, before anything else
-        self.client_model = data["model"]
-        self.include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
+        self.include_usage = chat.include_usage
         self.progress_events = (_header(self.scope, b"x-relay-progress") or "").strip() == "events"
         return call, plan, priority
 
@@ -446,215 +397,3 @@ class ChatRequest:
         request_scope.cancel()
 
 
-class _Writer:
-    def __init__(self, request: ChatRequest, model: str) -> None:
-        self.request = request
-        self.relay = request.relay
-        self.model = model  # "provider/model" of the attempt that answers
-        self.send = request.send
-        self.record = request.record
-        self.created = int(time.time())
-        self.completion_id = f"chatcmpl-{self.record.id}"
-        self.usage: Usage | None = None
-
-    def _note(self, event: Any) -> None:
-        if isinstance(event, Usage):
-            self.usage = event
-            self.record.usage = event.as_dict()
-        elif isinstance(event, Skipped):
-            self.record.skipped_events.append(event.detail)
-
-    def _finish_record(self, error: RelayError | None) -> None:
-        if error is not None:
-            self.request._fail(error)
-
-
-class JSONWriter(_Writer):
-    """A non-streamed answer: nothing is sent until the attempt has ended (SPEC A2)."""
-
-    async def pump(self, events: trio.MemoryReceiveChannel[Any]) -> None:
-        choices: dict[int, dict[str, Any]] = {}
-        async for event in events:
-            if isinstance(event, AttemptStarted):
-                self.model = event.model
-                if not event.continues:  # whatever an earlier attempt produced is void
-                    choices.clear()
-                    self.usage = self.record.usage = None
-            elif isinstance(event, Delta):
-                _merge(choices.setdefault(event.index, _new_choice(event.index)), event)
-            elif isinstance(event, Finish):
-                choices.setdefault(event.index, _new_choice(event.index))["finish_reason"] = (
-                    event.reason)
-            elif isinstance(event, Ended):
-                self._finish_record(event.error)
-                if event.error is not None:
-                    await send_error(self.send, event.error)
-                    return
-                body: dict[str, Any] = {
-                    "id": self.completion_id, "object": "chat.completion",
-                    "created": self.created, "model": self.model,
-                    "choices": [choices[i] for i in sorted(choices)]}
-                if self.usage is not None:
-                    body["usage"] = self.usage.as_dict()
-                await send_json(self.send, 200, body)
-                return
-            else:
-                self._note(event)
-        raise RuntimeError("the attempt ended without saying how")
-
-
-def _new_choice(index: int) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": None},
-            "finish_reason": None}
-
-
-def _merge(choice: dict[str, Any], delta: Delta) -> None:
-    message = choice["message"]
-    if delta.content is not None:
-        message["content"] = (message["content"] or "") + delta.content
-    for call in delta.tool_calls or ():
-        calls = message.setdefault("tool_calls", [])
-        index = call.get("index", len(calls))
-        while len(calls) <= index:
-            calls.append({"id": None, "type": "function",
-                          "function": {"name": "", "arguments": ""}})
-        slot = calls[index]
-        if call.get("id"):
-            slot["id"] = call["id"]
-        if call.get("type"):
-            slot["type"] = call["type"]
-        function = call.get("function") or {}
-        if function.get("name"):
-            slot["function"]["name"] += function["name"]
-        if function.get("arguments"):
-            args = function["arguments"]
-            slot["function"]["arguments"] += args if isinstance(args, str) else json.dumps(args)
-    for key, value in (delta.extra or {}).items():
-        old = message.get(key)
-        message[key] = old + value if isinstance(old, str) and isinstance(value, str) else value
-
-
-class StreamWriter(_Writer):
-    """A streamed answer: SSE, heartbeats, waiting notices, coalesced sends (SPEC A2, C3)."""
-
-    def __init__(self, request: ChatRequest, model: str) -> None:
-        super().__init__(request, model)
-        self.heartbeat_s = request.server.heartbeat_s
-        self.last_write = trio.current_time()
-        self.queued_at: float | None = None
-        self.queued_on: Any = None  # the provider whose queue we wait in
-        self.roles_sent: set[int] = set()
-        self._set_model(model)
-
-    def _set_model(self, model: str) -> None:
-        self.model = model
-        prefix = _dumps({"id": self.completion_id, "object": "chat.completion.chunk",
-                         "created": self.created, "model": model})
-        self.chunk_head = b"data: " + prefix[:-1] + b',"choices":[{"index":'
-
-    async def _start(self) -> None:
-        if not self.request.headers_sent:
-            self.request.headers_sent = True
-            await self.send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8"),
-                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
-
-    async def _write(self, data: bytes, *, more: bool = True) -> None:
-        await self._start()
-        await self.send({"type": "http.response.body", "body": data, "more_body": more})
-        self.last_write = trio.current_time()
-
-    def _chunk(self, index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
-        if index not in self.roles_sent:
-            self.roles_sent.add(index)
-            delta = {"role": "assistant", **delta}
-        tail = b'null' if finish is None else _dumps(finish)
-        return (self.chunk_head + str(index).encode() + b',"delta":' + _dumps(delta)
-                + b',"finish_reason":' + tail + b"}]}\n\n")
-
-    def _waiting_notice(self) -> bytes:
-        stats = self.queued_on.lane.statistics()
-        now = trio.current_time()
-        elapsed = now - (self.queued_at if self.queued_at is not None else now)
-        if self.request.progress_events:
-            return b"event: relay.waiting\ndata: " + _dumps({
-                "running": stats.running, "capacity": stats.capacity,
-                "queued": stats.queued, "elapsed_s": round(elapsed, 1)}) + b"\n\n"
-        return (f": waiting, starts when earlier requests finish (running {stats.running}/"
-                f"{stats.capacity}, queued {stats.queued}, {elapsed:.0f} s)\n\n").encode()
-
-    async def pump(self, events: trio.MemoryReceiveChannel[Any]) -> None:
-        start = trio.current_time()
-        next_notice = float("inf")
-        while True:
-            if self.request.headers_sent:
-                next_beat = self.last_write + self.heartbeat_s
-            else:
-                next_beat = start + self.heartbeat_s
-            first = None
-            with trio.move_on_at(min(next_beat, next_notice)):
-                try:
-                    first = await events.receive()
-                except trio.EndOfChannel:
-                    raise RuntimeError("the attempt ended without saying how") from None
-            if first is None:
-                now = trio.current_time()
-                if now >= next_notice:
-                    next_notice = now + WAITING_NOTICE_S
-                    await self._write(self._waiting_notice())
-                elif now >= next_beat:
-                    await self._write(b": keepalive\n\n")
-                continue
-            batch = [first]
-            while len(batch) < COALESCE_MAX:
-                try:
-                    batch.append(events.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
-            out = bytearray()
-            ended: Ended | None = None
-            for event in batch:
-                if isinstance(event, Delta):
-                    delta: dict[str, Any] = {}
-                    if event.content is not None:
-                        delta["content"] = event.content
-                    if event.tool_calls:
-                        delta["tool_calls"] = event.tool_calls
-                    if event.extra:
-                        delta.update(event.extra)
-                    out += self._chunk(event.index, delta)
-                elif isinstance(event, Finish):
-                    out += self._chunk(event.index, {}, event.reason)
-                elif isinstance(event, AttemptStarted):
-                    self._set_model(event.model)
-                    self.usage = self.record.usage = None
-                elif isinstance(event, Queued):
-                    self.queued_on = event.provider
-                    self.queued_at = trio.current_time()
-                    next_notice = self.queued_at  # at once, then every 2 s
-                elif isinstance(event, Started):
-                    next_notice = float("inf")
-                elif isinstance(event, Ended):
-                    ended = event
-                else:
-                    self._note(event)
-            if ended is None:
-                if out:
-                    await self._write(bytes(out))
-                continue
-            self._finish_record(ended.error)
-            if ended.error is not None:
-                if not self.request.headers_sent and not out:
-                    await send_error(self.send, ended.error)
-                    return
-                out += b"data: " + _dumps(ended.error.body()) + b"\n\n"
-                await self._write(bytes(out), more=False)
-                return
-            if self.request.include_usage and self.usage is not None:
-                out += b"data: " + _dumps({
-                    "id": self.completion_id, "object": "chat.completion.chunk",
-                    "created": self.created, "model": self.model,
-                    "choices": [], "usage": self.usage.as_dict()}) + b"\n\n"
-            out += b"data: [DONE]\n\n"
-            await self._write(bytes(out), more=False)
-            return

@@ -1,0 +1,170 @@
+"""The OpenAI Chat Completions dialect: what clients send to ``/v1/chat/completions`` and
+what they get back (SPEC A1, A2, E1).
+
+relay's internal lingua franca *is* OpenAI's chat shape (messages with roles and content
+parts, tool calls as deltas), so parsing here only checks the fields relay reads itself;
+everything else passes through to the adapter as ``params``. Other dialects (Anthropic's
+``/v1/messages``) translate into the same `ChatInput` and render the same `Answer`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .errors import RelayError
+from .events import Delta, Finish, Usage
+from .writers import Answer, ChatInput, dumps
+
+__all__ = ["OPENAI", "OpenAIDialect", "parse_chat_body"]
+
+INT_MAX = 2**31 - 1
+
+
+def _bad(message: str, param: str | None = None) -> RelayError:
+    return RelayError("invalid_request", message, param=param)
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+def parse_chat_body(body: bytes) -> dict[str, Any]:
+    """Check what relay itself reads from a chat body; everything else passes through.
+
+    Raises:
+        RelayError: ``invalid_request`` naming the field.
+    """
+    try:
+        data = json.loads(body)
+    except RecursionError as exc:
+        raise _bad("the JSON body is nested too deeply") from exc
+    except ValueError as exc:  # includes invalid UTF-8
+        raise _bad(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise _bad("the body must be a JSON object")
+    model = data.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise _bad("'model' is required: a route name, PROVIDER/MODEL, or a model name",
+                   "model")
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list of messages", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _bad(f"messages[{i}] must be an object", "messages")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise _bad(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}",
+                       "messages")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise _bad(f"messages[{i}].content must be a string or a list of parts",
+                       "messages")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise _bad(f"messages[{i}].content[{j}] must be an object with a 'type'",
+                           "messages")
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise _bad(f"messages[{i}].content[{j}].text must be a string", "messages")
+    if not isinstance(data.get("stream", False), bool):
+        raise _bad("'stream' must be true or false", "stream")
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 1 <= value <= INT_MAX):
+            raise _bad(f"'{key}' must be a whole number from 1 to {INT_MAX}", key)
+    options = data.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("'stream_options' must be an object", "stream_options")
+    return data
+
+
+
+class OpenAIDialect:
+    """Requests and answers in OpenAI's exact shapes."""
+
+    name = "openai"
+
+    def parse(self, body: bytes) -> ChatInput:
+        data = parse_chat_body(body)
+        params = {k: v for k, v in data.items()
+                  if k not in ("model", "messages", "stream", "fallbacks")}
+        return ChatInput(
+            model=data["model"], messages=data["messages"],
+            stream=bool(data.get("stream", False)), params=params,
+            fallbacks=data.get("fallbacks"),
+            include_usage=bool((data.get("stream_options") or {}).get("include_usage")))
+
+    def error_body(self, error: RelayError) -> dict[str, Any]:
+        return error.body()
+
+    def render(self, answer: Answer) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": f"chatcmpl-{answer.id}", "object": "chat.completion",
+            "created": answer.created, "model": answer.model,
+            "choices": [answer.choices[i] for i in sorted(answer.choices)]}
+        if answer.usage is not None:
+            body["usage"] = answer.usage.as_dict()
+        return body
+
+    def encoder(self, request_id: str, created: int, include_usage: bool) -> OpenAIStream:
+        return OpenAIStream(request_id, created, include_usage)
+
+
+class OpenAIStream:
+    """SSE chunks: ``data: {chat.completion.chunk}``, then ``data: [DONE]``."""
+
+    def __init__(self, request_id: str, created: int, include_usage: bool) -> None:
+        self.id = f"chatcmpl-{request_id}"
+        self.created = created
+        self.include_usage = include_usage
+        self.usage: Usage | None = None
+        self.roles_sent: set[int] = set()
+        self.model = ""
+        self.head = b""
+
+    def begin(self, model: str) -> None:
+        self.model = model
+        self.usage = None
+        prefix = dumps({"id": self.id, "object": "chat.completion.chunk",
+                        "created": self.created, "model": model})
+        self.head = b"data: " + prefix[:-1] + b',"choices":[{"index":'
+
+    def _chunk(self, index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        if index not in self.roles_sent:
+            self.roles_sent.add(index)
+            delta = {"role": "assistant", **delta}
+        tail = b"null" if finish is None else dumps(finish)
+        return (self.head + str(index).encode() + b',"delta":' + dumps(delta)
+                + b',"finish_reason":' + tail + b"}]}\n\n")
+
+    def delta(self, event: Delta) -> bytes:
+        delta: dict[str, Any] = {}
+        if event.content is not None:
+            delta["content"] = event.content
+        if event.tool_calls:
+            delta["tool_calls"] = event.tool_calls
+        if event.extra:
+            delta.update(event.extra)
+        return self._chunk(event.index, delta)
+
+    def finish(self, event: Finish) -> bytes:
+        return self._chunk(event.index, {}, event.reason)
+
+    def set_usage(self, usage: Usage) -> None:
+        self.usage = usage
+
+    def done(self) -> bytes:
+        out = b""
+        if self.include_usage and self.usage is not None:
+            out += b"data: " + dumps({
+                "id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage.as_dict()}) + b"\n\n"
+        return out + b"data: [DONE]\n\n"
+
+    def error(self, error: RelayError) -> bytes:
+        # The official clients raise `data: {"error": …}` as an APIError (SPEC A2).
+        return b"data: " + dumps(error.body()) + b"\n\n"
+
+
+OPENAI = OpenAIDialect()

@@ -1,0 +1,276 @@
+"""The one writer of a chat request: events in, an HTTP answer out.
+
+A writer reads the request's event channel — the adapters' `Delta`/`Finish`/`Usage`/
+`Skipped`, and the dispatcher's `Queued`/`Started`/`AttemptStarted`/`Ended` — and is the
+only code that calls ASGI ``send`` for its request (DESIGN). What the bytes look like is a
+*dialect*'s business (OpenAI's chat completions, Anthropic's messages): the writer keeps
+the timing and the rules that are the same for every dialect:
+
+- a plain answer is sent whole, once the outcome is known (SPEC A2);
+- a stream sends its headers at the first answer byte, or at once when the request has to
+  wait (then a waiting notice every 2 s), or with the first heartbeat; heartbeats every
+  ``heartbeat_s`` while nothing flows (SPEC A2, C3);
+- ready events are coalesced into one ``send`` (hypercorn's cost is per send);
+- a failure after the headers goes in-band and the stream ends without its "done" marker;
+  a channel that ends without `Ended` is an internal error, never a silent end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import trio
+
+from .dispatch import AttemptStarted, Ended, Queued, Started
+from .errors import RelayError
+from .events import Delta, Finish, Skipped, Usage
+
+if TYPE_CHECKING:
+    from .front import ChatRequest
+
+__all__ = ["Answer", "ChatInput", "Dialect", "JSONWriter", "StreamEncoder", "StreamWriter",
+           "dumps"]
+
+COALESCE_MAX = 256  # events folded into one `send` when they are ready together
+WAITING_NOTICE_S = 2.0
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@attrs.define(kw_only=True)
+class ChatInput:
+    """A chat request in relay's own terms (OpenAI's message shapes), whatever dialect
+    it arrived in."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    stream: bool
+    params: dict[str, Any]
+    fallbacks: Any = None
+    include_usage: bool = False
+
+
+@attrs.define(kw_only=True)
+class Answer:
+    """A finished plain answer: choices in OpenAI's message shape, by index."""
+
+    id: str
+    created: int
+    model: str
+    choices: dict[int, dict[str, Any]]
+    usage: Usage | None
+
+
+class StreamEncoder(Protocol):
+    def begin(self, model: str) -> None: ...
+    def delta(self, event: Delta) -> bytes: ...
+    def finish(self, event: Finish) -> bytes: ...
+    def set_usage(self, usage: Usage) -> None: ...
+    def done(self) -> bytes: ...
+    def error(self, error: RelayError) -> bytes: ...
+
+
+class Dialect(Protocol):
+    name: str
+
+    def parse(self, body: bytes) -> ChatInput: ...
+    def error_body(self, error: RelayError) -> dict[str, Any]: ...
+    def render(self, answer: Answer) -> dict[str, Any]: ...
+    def encoder(self, request_id: str, created: int,
+                include_usage: bool) -> StreamEncoder: ...
+
+
+class _Writer:
+    def __init__(self, request: ChatRequest, model: str) -> None:
+        self.request = request
+        self.dialect = request.dialect
+        self.model = model  # "provider/model" of the attempt that answers
+        self.send = request.send
+        self.record = request.record
+        self.created = int(time.time())
+
+    def _note(self, event: Any) -> None:
+        if isinstance(event, Usage):
+            self.record.usage = event.as_dict()
+        elif isinstance(event, Skipped):
+            self.record.skipped_events.append(event.detail)
+
+    async def send_error(self, error: RelayError) -> None:
+        self.request.fail(error)
+        await self.request.send_error(error)
+
+
+class JSONWriter(_Writer):
+    """A plain answer: nothing is sent until the outcome is known (SPEC A2)."""
+
+    async def pump(self, events: trio.MemoryReceiveChannel[Any]) -> None:
+        choices: dict[int, dict[str, Any]] = {}
+        usage: Usage | None = None
+        async for event in events:
+            if isinstance(event, Delta):
+                merge_delta(choices.setdefault(event.index, new_choice(event.index)), event)
+            elif isinstance(event, Finish):
+                choices.setdefault(event.index, new_choice(event.index))["finish_reason"] = (
+                    event.reason)
+            elif isinstance(event, AttemptStarted):
+                self.model = event.model
+                if not event.continues:  # whatever an earlier attempt produced is void
+                    choices.clear()
+                    usage = self.record.usage = None
+            elif isinstance(event, Ended):
+                if event.error is not None:
+                    await self.send_error(event.error)
+                    return
+                answer = Answer(id=self.record.id, created=self.created, model=self.model,
+                                choices=choices, usage=usage)
+                await self.request.send_json(200, self.dialect.render(answer))
+                return
+            else:
+                if isinstance(event, Usage):
+                    usage = event
+                self._note(event)
+        raise RuntimeError("the attempt ended without saying how")
+
+
+def new_choice(index: int) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": None},
+            "finish_reason": None}
+
+
+def merge_delta(choice: dict[str, Any], delta: Delta) -> None:
+    """Fold one delta into a choice in OpenAI's message shape (tool calls by index)."""
+    message = choice["message"]
+    if delta.content is not None:
+        message["content"] = (message["content"] or "") + delta.content
+    for call in delta.tool_calls or ():
+        calls = message.setdefault("tool_calls", [])
+        index = call.get("index", len(calls))
+        while len(calls) <= index:
+            calls.append({"id": None, "type": "function",
+                          "function": {"name": "", "arguments": ""}})
+        slot = calls[index]
+        if call.get("id"):
+            slot["id"] = call["id"]
+        if call.get("type"):
+            slot["type"] = call["type"]
+        function = call.get("function") or {}
+        if function.get("name"):
+            slot["function"]["name"] += function["name"]
+        if function.get("arguments"):
+            args = function["arguments"]
+            slot["function"]["arguments"] += args if isinstance(args, str) else json.dumps(args)
+    for key, value in (delta.extra or {}).items():
+        old = message.get(key)
+        message[key] = old + value if isinstance(old, str) and isinstance(value, str) else value
+
+
+class StreamWriter(_Writer):
+    """A streamed answer: SSE, heartbeats, waiting notices, coalesced sends."""
+
+    def __init__(self, request: ChatRequest, model: str) -> None:
+        super().__init__(request, model)
+        self.heartbeat_s = request.server.heartbeat_s
+        self.last_write = trio.current_time()
+        self.queued_at: float | None = None
+        self.queued_on: Any = None  # the provider whose queue we wait in
+        self.encoder = self.dialect.encoder(self.record.id, self.created,
+                                            request.include_usage)
+        self.encoder.begin(model)
+
+    async def _start(self) -> None:
+        if not self.request.headers_sent:
+            self.request.headers_sent = True
+            await self.send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+
+    async def _write(self, data: bytes, *, more: bool = True) -> None:
+        await self._start()
+        await self.send({"type": "http.response.body", "body": data, "more_body": more})
+        self.last_write = trio.current_time()
+
+    def _waiting_notice(self) -> bytes:
+        stats = self.queued_on.lane.statistics()
+        now = trio.current_time()
+        elapsed = now - (self.queued_at if self.queued_at is not None else now)
+        if self.request.progress_events:
+            return b"event: relay.waiting\ndata: " + dumps({
+                "running": stats.running, "capacity": stats.capacity,
+                "queued": stats.queued, "elapsed_s": round(elapsed, 1)}) + b"\n\n"
+        return (f": waiting, starts when earlier requests finish (running {stats.running}/"
+                f"{stats.capacity}, queued {stats.queued}, {elapsed:.0f} s)\n\n").encode()
+
+    async def pump(self, events: trio.MemoryReceiveChannel[Any]) -> None:
+        start = trio.current_time()
+        next_notice = float("inf")
+        encoder = self.encoder
+        while True:
+            if self.request.headers_sent:
+                next_beat = self.last_write + self.heartbeat_s
+            else:
+                next_beat = start + self.heartbeat_s
+            first = None
+            with trio.move_on_at(min(next_beat, next_notice)):
+                try:
+                    first = await events.receive()
+                except trio.EndOfChannel:
+                    raise RuntimeError("the attempt ended without saying how") from None
+            if first is None:
+                now = trio.current_time()
+                if now >= next_notice:
+                    next_notice = now + WAITING_NOTICE_S
+                    await self._write(self._waiting_notice())
+                elif now >= next_beat:
+                    await self._write(b": keepalive\n\n")
+                continue
+            batch = [first]
+            while len(batch) < COALESCE_MAX:
+                try:
+                    batch.append(events.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            out = bytearray()
+            ended: Ended | None = None
+            for event in batch:
+                if isinstance(event, Delta):
+                    out += encoder.delta(event)
+                elif isinstance(event, Finish):
+                    out += encoder.finish(event)
+                elif isinstance(event, Usage):
+                    encoder.set_usage(event)
+                    self._note(event)
+                elif isinstance(event, AttemptStarted):
+                    self.model = event.model
+                    if not event.continues:
+                        encoder.begin(event.model)
+                        self.record.usage = None
+                elif isinstance(event, Queued):
+                    self.queued_on = event.provider
+                    self.queued_at = trio.current_time()
+                    next_notice = self.queued_at  # at once, then every 2 s
+                elif isinstance(event, Started):
+                    next_notice = float("inf")
+                elif isinstance(event, Ended):
+                    ended = event
+                else:
+                    self._note(event)
+            if ended is None:
+                if out:
+                    await self._write(bytes(out))
+                continue
+            if ended.error is not None:
+                if not self.request.headers_sent and not out:
+                    await self.send_error(ended.error)  # nothing sent yet: a real status
+                    return
+                self.request.fail(ended.error)
+                out += encoder.error(ended.error)
+                await self._write(bytes(out), more=False)
+                return
+            out += encoder.done()
+            await self._write(bytes(out), more=False)
+            return
