@@ -31,7 +31,7 @@ from relay.http import AsyncClient, HTTPSettings, make_client, transport_errors
 
 from .base import Adapter, upstream_failure
 
-DRAIN_AFTER_DONE_S = 1.0
+DRAIN_AFTER_DONE_S = 1.0  # after [DONE], how long the end of the body may take
 
 __all__ = ["PRESETS", "OpenAIAdapter", "OpenAISettings", "Preset"]
 

@@ -3,6 +3,7 @@
     relay serve [--config FILE] [--host H] [--port N]
     relay config check [--config FILE]
     relay status [--url URL]
+    relay check [PROVIDER…] [--url URL]
 
 A config error prints every problem (file, table, key, what is wrong) and exits 2.
 """
@@ -43,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--config")
     status = sub.add_parser("status", help="the lanes of a running daemon")
     status.add_argument("--url", default=os.environ.get("RELAY_URL", DEFAULT_URL))
+    checks = sub.add_parser("check", help="run connection checks on a running daemon")
+    checks.add_argument("providers", nargs="*", help="provider names (default: all)")
+    checks.add_argument("--url", default=os.environ.get("RELAY_URL", DEFAULT_URL))
     return parser
 
 
@@ -79,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "status":
         return _status(args.url)
+    if args.command == "check":
+        return _check(args.url, args.providers)
     return 2  # pragma: no cover - argparse refuses other commands
 
 
@@ -89,10 +95,13 @@ async def run_daemon(config: Config) -> None:
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         async def watch_signals(task_status: trio.TaskStatus[None]) -> None:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT,
+                                           signal.SIGHUP) as signals:
                 task_status.started()
                 async for signum in signals:
-                    if not shutdown.is_set():
+                    if signum == signal.SIGHUP:
+                        nursery.start_soon(reload)
+                    elif not shutdown.is_set():
                         logger.info("%s: draining (a second signal stops at once)",
                                     signal.Signals(signum).name)
                         shutdown.set()
@@ -100,12 +109,25 @@ async def run_daemon(config: Config) -> None:
                         logger.info("second signal: stopping now")
                         nursery.cancel_scope.cancel()
 
+        async def reload() -> None:
+            if running is None:
+                logger.warning("SIGHUP before relay was listening: ignored")
+                return
+            try:
+                changes = await running.relay.reload()
+            except ConfigError as exc:
+                logger.error("SIGHUP: the config has problems; nothing changed:\n  %s",
+                             "\n  ".join(exc.problems))
+            else:
+                logger.info("SIGHUP: reloaded (%s)", "; ".join(changes) or "no changes")
+
         async def run_server(task_status: trio.TaskStatus[Any]) -> None:
             await serve(config, shutdown=shutdown, task_status=task_status)
             nursery.cancel_scope.cancel()  # drained: stop the signal watcher
 
+        running = None
         await nursery.start(watch_signals)
-        served = await nursery.start(run_server)
+        served = running = await nursery.start(run_server)
         names = ", ".join(served.relay.providers)
         print(f"relay listening on {served.url} (config {config.source}; providers: "
               f"{names}; records: {config.records_path})", file=sys.stderr, flush=True)
@@ -133,6 +155,41 @@ def describe_config(config: Config) -> str:
     if not config.providers:
         lines.append("  (none)")
     return "\n".join(lines)
+
+
+def _check(url: str, names: list[str]) -> int:
+    """Check each provider (all by default) and print one readable line each."""
+    from .http import get_json, post_json
+
+    token = os.environ.get("RELAY_TOKEN")
+    base = url.rstrip("/")
+    try:
+        if not names:
+            code, body = get_json(base + "/relay/v1/status", token=token)
+            if code != 200:
+                print(f"relay: status answered {code}: "
+                      f"{body.get('error', {}).get('message')}", file=sys.stderr)
+                return 1
+            names = list(body["providers"])
+        failed = False
+        for name in names:
+            code, body = post_json(f"{base}/relay/v1/providers/{name}/check", token=token,
+                                   timeout_s=900.0)
+            if code != 200:
+                print(f"{name}: {body.get('error', {}).get('message')}")
+                failed = True
+                continue
+            state = body["status"]["state"]
+            mark = {"answered": "ok", "busy": "busy", "failed": "FAILED"}[body["outcome"]]
+            detail = body["message"]
+            if body.get("answer"):
+                detail += f": {body['answer'].strip()[:60]!r}"
+            print(f"{name}: {mark} — {state}; {detail}")
+            failed |= body["outcome"] == "failed"
+    except OSError as exc:
+        print(f"relay: {exc}", file=sys.stderr)
+        return 1
+    return 1 if failed else 0
 
 
 def _status(url: str) -> int:

@@ -105,9 +105,11 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=v.ge(1024))
     body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    check_on_start: bool = False  # run a connection check of every provider at start-up
 
 
-COMMON_PROVIDER_KEYS = ("adapter", "models", "prefill", "check_interval_s", "profile")
+COMMON_PROVIDER_KEYS = ("adapter", "models", "prefill", "check_interval_s", "check_model",
+                        "profile")
 
 
 def _optional_positive(inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:
@@ -160,7 +162,8 @@ class ProviderConfig:
     models: tuple[str, ...] = ()
     models_configured: bool = False  # the file listed them: only those are accepted
     prefill: bool = False
-    check_interval_s: float | None = None
+    check_interval_s: float | None = None  # periodic connection checks (off by default)
+    check_model: str | None = None  # the model a check asks (default: the first known)
 
 
 @attrs.frozen(kw_only=True)
@@ -171,6 +174,7 @@ class Config:
     source: str = "<config>"  # the file it came from, or "<packaged default>"
     records_path: Path | None = None  # None: records off
     warnings: tuple[str, ...] = ()
+    server_overrides: Mapping[str, Any] = attrs.field(factory=dict)  # kept for reloads
 
 
 # --- the converter: strict scalars, unknown keys forbidden ------------------------------
@@ -360,7 +364,7 @@ def parse_config(
         records = default_state_dir() / "relay-requests.jsonl"
     del packaged  # the packaged default never names a records path: it uses the state dir
     return Config(server=server, providers=providers, routes=routes, source=source,
-                  records_path=records,
+                  records_path=records, server_overrides=dict(server_overrides or {}),
                   warnings=tuple(f"{source}: {w}" for w in warnings))
 
 
@@ -464,6 +468,9 @@ def _load_provider(
     prefill = common.get("prefill", adapter.prefill)
     if not isinstance(prefill, bool):
         problems.append(f"[{where}] prefill: expected true or false")
+    check_model = common.get("check_model")
+    if check_model is not None and not (isinstance(check_model, str) and check_model):
+        problems.append(f"[{where}] check_model: must be a model name")
     interval = common.get("check_interval_s")
     if interval is not None and (isinstance(interval, bool)
                                  or not isinstance(interval, int | float) or interval <= 0):
@@ -507,4 +514,5 @@ def _load_provider(
     return ProviderConfig(
         name=name, adapter=kind, profile=profile, settings=settings, models=models,
         models_configured=bool(models), prefill=prefill,
-        check_interval_s=float(interval) if interval is not None else None)
+        check_interval_s=float(interval) if interval is not None else None,
+        check_model=check_model)

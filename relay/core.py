@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -19,12 +19,12 @@ import trio
 
 from adapters import ADAPTERS, Adapter
 
-from .config import Config, ProviderConfig
-from .errors import RelayError
+from .config import Config, ProviderConfig, load_config
+from .errors import ConfigError, RelayError
 from .lanes import Lane
 from .records import Clock, RecordWriter
 
-__all__ = ["Provider", "Relay", "RequestStop", "open_relay"]
+__all__ = ["ConfigError", "Provider", "Relay", "RequestStop", "open_relay"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +96,108 @@ class Relay:
         self.records = records
         self.clock = records.clock
         self.nursery = nursery
+        self._retire: dict[int, trio.Event] = {}
         self.draining = False
         self.in_flight: set[RequestStop] = set()
         self.idle = trio.Event()  # set whenever no request is in flight
         self.idle.set()
+        self.reloaded = trio.Event()  # set (and replaced) on every reload
+        self._reload_lock = trio.Lock()
         from .front import Front
 
         self.app = Front(self)
+
+    # --- providers and their adapters ------------------------------------------------------
+    async def open_provider(self, config: ProviderConfig) -> Provider:
+        adapter = await self._open_adapter(config)
+        lane = Lane(config.name, config.profile,
+                    expected_run_s=type(adapter).typical_call_s(config.settings))
+        return Provider(config=config, adapter=adapter, lane=lane, models=list(config.models))
+
+    async def _open_adapter(self, config: ProviderConfig) -> Adapter:
+        """Each adapter lives in a task of relay's own nursery, so whatever it holds (an
+        HTTP pool, warm CLI processes with a nursery of their own) is opened and closed by
+        one task; it is closed when relay stops or the adapter is retired."""
+        adapter = ADAPTERS[config.adapter](config)
+        retire = trio.Event()
+        await self.nursery.start(_hold_adapter, adapter, retire)
+        self._retire[id(adapter)] = retire
+        return adapter
+
+    def _retire_when_idle(self, adapter: Adapter, lane: Lane) -> None:
+        retire = self._retire.pop(id(adapter))
+
+        async def retire_after_last_request() -> None:
+            await lane.wait_idle()   # a removed provider's running requests finish first
+            retire.set()
+
+        self.nursery.start_soon(retire_after_last_request)
+
+    # --- reload (SPEC L10) --------------------------------------------------------------------
+    async def reload(self, config: Config | None = None) -> list[str]:
+        """Apply a new config in place: lane counts and timeouts change without touching
+        running work (waiting requests keep their order), providers come and go (a removed
+        one's running requests finish), routes are replaced. Without ``config`` the file
+        the current one came from is read again.
+
+        Returns:
+            what changed, one line each.
+
+        Raises:
+            ConfigError: the new config is invalid; nothing changed.
+        """
+        async with self._reload_lock:
+            if config is None:
+                config = load_config(self.config.source,
+                                     server_overrides=self.config.server_overrides)
+            changes: list[str] = []
+            providers: dict[str, Provider] = {}
+            for name, pconf in config.providers.items():
+                current = self.providers.get(name)
+                if current is None:
+                    providers[name] = await self.open_provider(pconf)
+                    changes.append(f"provider {name}: added")
+                    self.nursery.start_soon(_discover, providers[name])
+                    continue
+                old = current.config
+                if (old.adapter, old.settings) != (pconf.adapter, pconf.settings):
+                    retired = current.adapter
+                    current.adapter = await self._open_adapter(pconf)
+                    self._retire_when_idle(retired, current.lane)
+                    changes.append(f"provider {name}: adapter settings changed (requests "
+                                   "running on the old settings finish on them)")
+                if old.profile != pconf.profile:
+                    a, b = old.profile, pconf.profile
+                    changes.append(f"provider {name}: profile changed (lanes {a.lanes}→"
+                                   f"{b.lanes}, queue_max {a.queue_max}→{b.queue_max}, "
+                                   f"queue_timeout_s {a.queue_timeout_s:g}→"
+                                   f"{b.queue_timeout_s:g}, run_timeout_s {a.run_timeout_s:g}→"
+                                   f"{b.run_timeout_s:g}, rpm {a.rpm:g}→{b.rpm:g})")
+                    current.lane.update_profile(pconf.profile)
+                if pconf.models_configured:
+                    current.models = list(pconf.models)
+                current.config = pconf
+                providers[name] = current
+            for name, gone in self.providers.items():
+                if name not in providers:
+                    self._retire_when_idle(gone.adapter, gone.lane)
+                    changes.append(f"provider {name}: removed (its running requests finish)")
+            if dict(config.routes) != dict(self.config.routes):
+                changes.append(f"routes: {', '.join(config.routes) or '(none)'}")
+            old_server, new_server = self.config.server, config.server
+            for key in ("host", "port", "records", "records_max_bytes", "records_keep"):
+                if getattr(old_server, key) != getattr(new_server, key):
+                    changes.append(f"[server] {key}: takes effect at the next restart")
+            if old_server != new_server:
+                changes.append("[server]: the other settings apply to new requests")
+            self.providers = providers
+            self.config = config
+            self.app.configure()
+            self.reloaded.set()
+            self.reloaded = trio.Event()
+            logger.info("config reloaded from %s: %s", config.source,
+                        "; ".join(changes) or "no changes")
+            return changes
 
     # --- model names ----------------------------------------------------------------------
     def resolve(self, model: str) -> tuple[Provider, str]:
@@ -164,40 +259,42 @@ class Relay:
             await self.idle.wait()
 
 
-def _make_adapter(config: ProviderConfig) -> Adapter:
-    return ADAPTERS[config.adapter](config)
-
-
 @asynccontextmanager
 async def open_relay(config: Config, *, discover: bool = True) -> AsyncIterator[Relay]:
-    """Open a relay inside the caller's task: adapters opened, discovery started.
+    """Open a relay inside the caller's task: adapters opened, discovery and checks
+    started.
 
-    Leaving the block (or cancelling it) stops discovery and closes every adapter; run
-    the HTTP front with `relay.server.serve_http` inside it.
+    Leaving the block (or cancelling it) stops relay's services and closes every adapter;
+    run the HTTP front with `relay.server.serve_http` inside it. (An async context
+    manager owning a nursery, used by one task: trio's supported shape.)
     """
     clock = Clock()
     records = RecordWriter(config.records_path, max_bytes=config.server.records_max_bytes,
                            keep=config.server.records_keep, clock=clock)
     try:
-        async with AsyncExitStack() as stack:
-            providers: dict[str, Provider] = {}
+        async with trio.open_nursery() as nursery:
+            relay = Relay(config, {}, records, nursery)
             for name, pconf in config.providers.items():
-                adapter = await stack.enter_async_context(_make_adapter(pconf))
-                lane = Lane(name, pconf.profile,
-                            expected_run_s=type(adapter).typical_call_s(pconf.settings))
-                providers[name] = Provider(config=pconf, adapter=adapter, lane=lane,
-                                           models=list(pconf.models))
-            async with trio.open_nursery() as nursery:
-                relay = Relay(config, providers, records, nursery)
-                if discover:
-                    for provider in providers.values():
-                        nursery.start_soon(_discover, provider)
-                try:
-                    yield relay
-                finally:
-                    nursery.cancel_scope.cancel()
+                relay.providers[name] = await relay.open_provider(pconf)
+            if discover:
+                for provider in relay.providers.values():
+                    nursery.start_soon(_discover, provider)
+            from .checks import serve_checks
+
+            nursery.start_soon(serve_checks, relay)
+            try:
+                yield relay
+            finally:
+                nursery.cancel_scope.cancel()
     finally:
         records.close()
+
+
+async def _hold_adapter(adapter: Adapter, retire: trio.Event,
+                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async with adapter:
+        task_status.started()
+        await retire.wait()
 
 
 async def _discover(provider: Provider) -> None:

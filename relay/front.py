@@ -233,7 +233,11 @@ class Front:
 
         self.relay = relay
         self.quart = make_quart_app(relay)
-        self.guard = Guard(relay, self._route)
+        self.configure()
+
+    def configure(self) -> None:
+        """(Re)build the guard from the relay's current config (a reload calls this)."""
+        self.guard = Guard(self.relay, self._route)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.guard(scope, receive, send)

@@ -88,6 +88,8 @@ class Lane:
         self._next_start = -math.inf  # the pacer's earliest next start
         # A running average of how long a slot is held, for honest Retry-After figures.
         self._avg_run_s = expected_run_s
+        self._idle = trio.Event()
+        self._idle.set()
 
     @property
     def profile(self) -> Profile:
@@ -97,6 +99,20 @@ class Lane:
         """Apply a reloaded profile in place: never revokes a running slot."""
         self._profile = profile
         self._hand_off()
+
+    async def wait_idle(self) -> None:
+        """Return once nothing runs or waits here (a removed provider's last request)."""
+        while not (self._borrowed == 0 and self._live == 0):
+            await self._idle.wait()
+        await trio.lowlevel.checkpoint()
+
+    def _busy(self) -> None:
+        if self._idle.is_set():
+            self._idle = trio.Event()
+
+    def _maybe_idle(self) -> None:
+        if self._borrowed == 0 and self._live == 0:
+            self._idle.set()
 
     def statistics(self) -> LaneStatistics:
         return LaneStatistics(running=self._borrowed, capacity=self._profile.lanes,
@@ -135,11 +151,13 @@ class Lane:
         await trio.lowlevel.checkpoint_if_cancelled()
         now = trio.current_time()
         ticket = Ticket(priority=priority, queued_at=now)
+        self._busy()
         if self._borrowed < self._profile.lanes and self._live == 0 and now >= self._next_start:
             self._take(ticket, now)
             await trio.lowlevel.cancel_shielded_checkpoint()
             return ticket
         if self._live >= self._profile.queue_max:
+            self._maybe_idle()
             raise self._capacity_error("provider_queue_full")
 
         waiter = _Waiter(PRIORITIES[priority], next(self._seq))
@@ -196,6 +214,7 @@ class Lane:
     def _forget(self, waiter: _Waiter) -> None:
         waiter.cancelled = True
         self._live -= 1
+        self._maybe_idle()
         if len(self._heap) > 2 * self._live + 16:  # lazy deletion: compact now and then
             self._heap = [w for w in self._heap if not w.cancelled]
             heapq.heapify(self._heap)
@@ -203,6 +222,7 @@ class Lane:
     def _give_back(self) -> None:
         self._borrowed -= 1
         self._hand_off()
+        self._maybe_idle()
 
     def _release(self, ticket: Ticket) -> None:
         now = trio.current_time()

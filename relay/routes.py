@@ -67,6 +67,32 @@ def make_quart_app(relay: Relay) -> QuartTrio:
                 "draining": relay.draining}
         return Response(_json(body), content_type="application/json")
 
+    @app.post("/relay/v1/providers/<name>/check")
+    async def check(name: str) -> Response:
+        from .checks import check_provider
+
+        provider = relay.providers.get(name)
+        if provider is None:
+            return _error(RelayError("invalid_request", f"no provider is named {name!r}; "
+                                     f"known: {', '.join(relay.providers)}", status=404))
+        result = await check_provider(relay, provider)
+        body = {**result.as_dict(), "status": provider_status(provider, relay.clock)}
+        return Response(_json(body), content_type="application/json")
+
+    @app.post("/relay/v1/reload")
+    async def reload() -> Response:
+        from .errors import ConfigError
+
+        try:
+            changes = await relay.reload()
+        except ConfigError as exc:
+            error = RelayError("invalid_request", "the config file has problems; nothing was "
+                               "changed:\n  " + "\n  ".join(exc.problems))
+            response = _error(error)
+            return response
+        return Response(_json({"ok": True, "source": relay.config.source,
+                               "changes": changes}), content_type="application/json")
+
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         code = exc.code or 500

@@ -265,3 +265,27 @@ async def test_no_command_is_a_usage_error(tmp_path: Path) -> None:
     done = await run_relay(tmp_path)
     assert done.returncode == 2
     assert b"usage: relay" in done.stderr
+
+
+async def test_sighup_reloads_and_check_runs(tmp_path: Path) -> None:
+    write(tmp_path, "relay.toml", FAKE_CONFIG)
+    async with daemon(tmp_path, "--config", "relay.toml", "--port", "0") as (proc, log):
+        assert log.url is not None, log.text
+        write(tmp_path, "relay.toml", FAKE_CONFIG + "\n[providers.fake.profile]\nlanes = 7\n")
+        proc.send_signal(signal.SIGHUP)
+
+        async def capacity() -> int:
+            async with httpx.AsyncClient(trust_env=False, timeout=10.0) as client:
+                r = await client.get(f"{log.url}/relay/v1/status")
+                return int(r.json()["providers"]["fake"]["lanes"]["capacity"])
+
+        with trio.fail_after(10):
+            while await capacity() != 7:
+                await trio.sleep(0.05)
+        checked = await run_relay(tmp_path, "check", "--url", log.url)
+        assert checked.returncode == 0, checked.stderr.decode()
+        assert checked.stdout.decode().startswith("fake: ok — connected"), checked.stdout
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(5):
+            await proc.wait()
+        assert proc.returncode == 0

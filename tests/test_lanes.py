@@ -201,3 +201,24 @@ async def test_many_waiters_with_random_cancels_never_leak(
     await trio.sleep(60)
     assert done == 500
     assert (ln.statistics().running, ln.statistics().queued) == (0, 0)
+
+
+async def test_retry_after_is_estimated_from_recent_run_times(
+        nursery: trio.Nursery, autojump_clock: trio.abc.Clock) -> None:
+    ln = Lane("p", Profile(lanes=1, queue_max=1, queue_timeout_s=1000, run_timeout_s=600),
+              expected_run_s=1.0)
+    for _ in range(20):             # recent runs take 60 s each
+        async with ln.slot():
+            await trio.sleep(60)
+    release = trio.Event()
+    await nursery.start(hold, ln, release)
+    nursery.start_soon(hold, ln, release)
+    await trio.testing.wait_all_tasks_blocked()
+    with pytest.raises(RelayError) as info:
+        async with ln.slot():
+            pass
+    # One running and one queued ahead, each about 60 s: retry in about two minutes.
+    assert info.value.retry_after_s == pytest.approx(120, rel=0.05)
+    seconds = int(info.value.message.split("Retry in about ")[1].split(" s")[0])
+    assert 110 <= seconds <= 125
+    release.set()

@@ -1,0 +1,188 @@
+"""Connection checks and provider state (SPEC H1-H4, L7).
+
+A check is a real request: a short prompt ("reply with ok") through the whole path —
+queue, lane, adapter — queued as ``interactive`` (so it waits at the head of the queue
+but never stops running work) and bounded by the provider's own profile. It is recorded
+like any request (route ``(check)``).
+
+What a check's outcome does to the provider's state (seed 000: a failed check once erased
+a working connection, and every capacity error told the user to check again):
+
+    answered                          → connected; the model list refreshed
+    quota notice, rate limit          → connected, with a warning; models kept
+    capacity (queue full or timeout)  → nothing changes: busy is not broken
+    timeouts, cut answers             → nothing changes but the warning: slow is not broken
+    auth, unreachable, not installed,
+    refused, broken answers           → failing, with the reason and what to do
+
+`serve_checks` runs the optional checks — at start-up (``[server] check_on_start``) and
+every ``check_interval_s`` per provider — and never while all of a provider's lanes are
+busy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from .dispatch import Dispatcher, Ended, Plan, Target
+from .errors import RelayError
+from .events import Call, Delta
+from .records import Record
+
+if TYPE_CHECKING:
+    from .core import Provider, Relay
+
+__all__ = ["CHECK_PROMPT", "CheckResult", "check_provider", "serve_checks"]
+
+logger = logging.getLogger(__name__)
+
+CHECK_PROMPT = "This is a connection check. Reply with the single word: ok"
+_CONNECTED_WITH_WARNING = frozenset({"quota_exhausted", "rate_limited"})
+_FAILING = frozenset({
+    "auth_required", "upstream_unavailable", "upstream_error", "bad_upstream_response",
+    "rejected", "unsupported", "context_too_long", "internal_error", "unknown_model",
+    "invalid_request",
+})
+BUSY_RETRY_S = 30.0  # a scheduled check skipped because the lanes are busy: try again then
+
+
+@attrs.frozen
+class CheckResult:
+    provider: str
+    ok: bool
+    outcome: str  # answered | busy | failed
+    reason: str | None
+    message: str
+    answer: str | None
+    duration_ms: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def _check_model(provider: Provider) -> str:
+    if provider.config.check_model:
+        return provider.config.check_model
+    if provider.models:
+        return provider.models[0]
+    return "default"
+
+
+async def check_provider(relay: Relay, provider: Provider) -> CheckResult:
+    """Run one connection check and apply its outcome to the provider's state."""
+    from .core import RequestStop
+
+    started = trio.current_time()
+    if not provider.models and not provider.config.check_model:
+        try:
+            with trio.move_on_after(10):
+                provider.models = sorted(set(await provider.adapter.models()))
+        except RelayError as exc:
+            return _apply(provider, started, None, exc)
+    model = _check_model(provider)
+    record = Record(id=f"check-{provider.name}-{int(started * 1000)}", started_at=started,
+                    route="(check)", provider=provider.name, model=model,
+                    priority="interactive")
+    call = Call(request_id=record.id, provider=provider.name, model=model,
+                messages=[{"role": "user", "content": CHECK_PROMPT}], stream=False)
+    plan = Plan([Target(provider, model, "primary")])
+    stop = RequestStop(trio.CancelScope())
+    out, events = trio.open_memory_channel[Any](64)
+    dispatcher = Dispatcher(relay, plan, call, "interactive", record, stop, stream=False)
+    text = ""
+    error: RelayError | None = None
+    relay.track(stop)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(dispatcher.run, nursery, out)
+            async with events:
+                async for event in events:
+                    if isinstance(event, Delta) and event.content:
+                        text += event.content
+                    elif isinstance(event, Ended):
+                        error = event.error
+    finally:
+        relay.untrack(stop)
+        if error is not None:
+            record.status, record.reason, record.phase = error.status, error.reason, error.phase
+        releases = [a.released_at for a in record.attempts if a.released_at is not None]
+        record.released_at = max(releases) if releases else None
+        relay.records.write(record)
+    if error is None:
+        with trio.move_on_after(10):
+            await provider.refresh_models(force=True)
+    return _apply(provider, started, text, error)
+
+
+def _apply(provider: Provider, started: float, text: str | None,
+           error: RelayError | None) -> CheckResult:
+    now = trio.current_time()
+    duration = round((now - started) * 1000, 1)
+    if error is None:
+        provider.state, provider.state_reason, provider.warning = "connected", None, None
+        provider.checked_at = now
+        return CheckResult(provider.name, True, "answered", None,
+                           f"answered in {duration / 1000:.1f} s", text, duration)
+    said = error.message + (f" — {error.action}" if error.action else "")
+    if error.phase == "capacity" or error.reason == "shutting_down":
+        # Busy is not broken (H2): the verified state and the models stay as they were.
+        return CheckResult(provider.name, False, "busy", error.reason, error.message, None,
+                           duration)
+    provider.checked_at = now
+    if error.reason in _CONNECTED_WITH_WARNING:
+        provider.state, provider.state_reason = "connected", None   # H3
+        provider.warning = said
+        return CheckResult(provider.name, True, "answered", error.reason, said, None,
+                           duration)
+    if error.reason in _FAILING:
+        provider.state, provider.state_reason, provider.warning = "failing", error.reason, said
+        return CheckResult(provider.name, False, "failed", error.reason, said, None, duration)
+    provider.warning = f"the last check did not complete: {said}"   # slow is not broken
+    return CheckResult(provider.name, False, "failed", error.reason, said, None, duration)
+
+
+async def serve_checks(relay: Relay) -> None:
+    """The optional checks: at start-up and every ``check_interval_s``; runs until
+    cancelled. A provider whose lanes are all busy is skipped and tried again later."""
+    due: dict[str, float] = {}
+    start = trio.current_time()
+    running: set[str] = set()
+    while True:
+        now = trio.current_time()
+        for name, provider in relay.providers.items():
+            interval = provider.config.check_interval_s
+            if name not in due:
+                if relay.config.server.check_on_start or interval is not None:
+                    due[name] = start if now - start < 1.0 else now
+                elif interval is None:
+                    continue
+            if name in running or now < due.get(name, math.inf):
+                continue
+            stats = provider.lane.statistics()
+            if stats.running >= stats.capacity:
+                due[name] = now + min(BUSY_RETRY_S, interval or BUSY_RETRY_S)
+                continue
+            due[name] = now + interval if interval is not None else math.inf
+            running.add(name)
+            relay.nursery.start_soon(_scheduled_check, relay, provider, running)
+        for name in list(due):
+            if name not in relay.providers:
+                del due[name]
+        wake = min(due.values(), default=math.inf)
+        with trio.move_on_at(min(wake, trio.current_time() + 60.0)):
+            await relay.reloaded.wait()
+
+
+async def _scheduled_check(relay: Relay, provider: Provider, running: set[str]) -> None:
+    try:
+        result = await check_provider(relay, provider)
+        logger.info("check %s: %s (%s)", provider.name, result.outcome, result.message)
+    except Exception:
+        logger.exception("the scheduled check of %s crashed", provider.name)
+    finally:
+        running.discard(provider.name)

@@ -1,0 +1,126 @@
+"""Live reload (SPEC L10): lanes change in place under load; bad files change nothing."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+from conftest import chat, lane_idle, wait_for
+
+import relay
+
+BASE = """
+[server]
+records = "records.jsonl"
+[providers.fake]
+adapter = "fake"
+models = ["echo"]
+[providers.fake.profile]
+lanes = {lanes}
+queue_max = 10
+queue_timeout_s = 30
+run_timeout_s = 60
+"""
+OTHER = """
+[providers.other]
+adapter = "fake"
+models = ["echo"]
+"""
+
+
+async def start(nursery: trio.Nursery, path: Path) -> relay.Served:
+    served: relay.Served = await nursery.start(functools.partial(
+        relay.serve, relay.load_config(path), port=0))
+    return served
+
+
+def stats(served: relay.Served, name: str = "fake") -> tuple[int, int, int]:
+    s = served.relay.providers[name].lane.statistics()
+    return s.running, s.queued, s.capacity
+
+
+async def reload(client: httpx.AsyncClient, served: relay.Served) -> httpx.Response:
+    return await client.post(f"{served.url}/relay/v1/reload")
+
+
+async def test_lanes_grow_and_shrink_in_place_under_load(
+        nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient) -> None:
+    path = tmp_path / "relay.toml"
+    path.write_text(BASE.format(lanes=1))
+    served = await start(nursery, path)
+    url = f"{served.url}/v1/chat/completions"
+    answers: list[int] = []
+
+    async def call(delay: float) -> None:
+        r = await client.post(url, json=chat(f"fake/echo?delay_s={delay}"))
+        answers.append(r.status_code)
+
+    for _ in range(3):
+        nursery.start_soon(call, 0.6)
+    await wait_for(lambda: stats(served) == (1, 2, 1))
+    path.write_text(BASE.format(lanes=3))
+    r = await reload(client, served)
+    assert r.status_code == 200, r.text
+    assert any("lanes 1→3" in c for c in r.json()["changes"])
+    assert stats(served) == (3, 0, 3)       # the waiting ones started at once, in place
+    await wait_for(lambda: len(answers) == 3)
+
+    for _ in range(3):
+        nursery.start_soon(call, 0.6)
+    await wait_for(lambda: stats(served) == (3, 0, 3))
+    path.write_text(BASE.format(lanes=1))
+    assert (await reload(client, served)).status_code == 200
+    assert stats(served) == (3, 0, 1)       # running work is never revoked
+    nursery.start_soon(call, 0.0)
+    await wait_for(lambda: stats(served)[1] == 1)   # a new request waits its turn
+    await wait_for(lambda: len(answers) == 7)
+    assert answers == [200] * 7
+    await wait_for(lambda: lane_idle(served))
+
+
+async def test_an_invalid_file_changes_nothing(nursery: trio.Nursery, tmp_path: Path,
+                                               client: httpx.AsyncClient) -> None:
+    path = tmp_path / "relay.toml"
+    path.write_text(BASE.format(lanes=2))
+    served = await start(nursery, path)
+    path.write_text(BASE.format(lanes=5).replace("queue_max", "queue_mx"))
+    r = await reload(client, served)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "invalid_request" and "queue_mx" in err["message"]
+    assert stats(served)[2] == 2
+    r = await client.post(f"{served.url}/v1/chat/completions", json=chat("fake/echo"))
+    assert r.status_code == 200
+
+
+async def test_providers_come_and_go(nursery: trio.Nursery, tmp_path: Path,
+                                     client: httpx.AsyncClient) -> None:
+    path = tmp_path / "relay.toml"
+    path.write_text(BASE.format(lanes=1) + OTHER)
+    served = await start(nursery, path)
+    url = f"{served.url}/v1/chat/completions"
+    result: dict[str, Any] = {}
+
+    async def long_call() -> None:
+        result["r"] = await client.post(url, json=chat("other/echo?delay_s=0.5", "still"))
+
+    nursery.start_soon(long_call)
+    other = served.relay.providers["other"]
+    await wait_for(lambda: other.lane.statistics().running == 1)
+    path.write_text(BASE.format(lanes=1) + OTHER.replace("other", "third"))
+    r = await reload(client, served)
+    changes = r.json()["changes"]
+    assert any("other: removed" in c for c in changes)
+    assert any("third: added" in c for c in changes)
+    r = await client.post(url, json=chat("other/echo"))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_model"
+    r = await client.post(url, json=chat("third/echo", "new"))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "new"
+    await wait_for(lambda: "r" in result)
+    assert result["r"].status_code == 200     # the removed provider's request finished
+    assert result["r"].json()["choices"][0]["message"]["content"] == "still"
+    status = (await client.get(f"{served.url}/relay/v1/status")).json()["providers"]
+    assert set(status) == {"fake", "third"}
