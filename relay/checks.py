@@ -91,7 +91,7 @@ async def check_provider(relay: Relay, provider: Provider) -> CheckResult:
     call = Call(request_id=record.id, provider=provider.name, model=model,
                 messages=[{"role": "user", "content": CHECK_PROMPT}], stream=False)
     plan = Plan([Target(provider, model, "primary")])
-    stop = RequestStop(trio.CancelScope())
+    stop = RequestStop()
     out, events = trio.open_memory_channel[Any](64)
     dispatcher = Dispatcher(relay, plan, call, "interactive", record, stop, stream=False)
     text = ""

@@ -73,17 +73,26 @@ class Provider:
 
 @attrs.define(eq=False)
 class RequestStop:
-    """A handle on one in-flight request, so the relay can stop it (drain)."""
+    """A handle on one in-flight request, so the relay can stop it (a drain): every
+    dispatcher of the request (a fan-out has several) runs inside a scope made here."""
 
-    scope: trio.CancelScope
     error: RelayError | None = None
     requested_at: float | None = None
+    scopes: list[trio.CancelScope] = attrs.field(factory=list)
+
+    def open_scope(self) -> trio.CancelScope:
+        scope = trio.CancelScope()
+        if self.error is not None:
+            scope.cancel()
+        self.scopes.append(scope)
+        return scope
 
     def stop(self, error: RelayError) -> None:
         if self.error is None:
             self.error = error
             self.requested_at = trio.current_time()
-        self.scope.cancel()
+        for scope in self.scopes:
+            scope.cancel()
 
 
 class Relay:

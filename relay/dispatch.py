@@ -259,7 +259,7 @@ class Dispatcher:
     async def run(self, nursery: trio.Nursery, out: trio.MemorySendChannel[Any]) -> None:
         """Try the plan's targets; send the writer its events and, last, `Ended`."""
         async with out:
-            with self.stop.scope:
+            with self.stop.open_scope():
                 error = await self._try_all(nursery, out)
                 await out.send(Ended(error))
                 return

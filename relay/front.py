@@ -182,7 +182,7 @@ class Guard:
 
     def _record(self, scope: Scope, error: RelayError) -> None:
         """A chat request refused here still gets its one record (DESIGN invariant 5)."""
-        if scope["path"] in RELAY_ROUTES:
+        if scope["path"] in RELAY_ROUTES or scope["path"] == "/relay/v1/fanout":
             record = Record(id=scope["relay.request_id"], started_at=trio.current_time(),
                             status=error.status, reason=error.reason, phase=error.phase)
             self.relay.records.write(record)
@@ -250,6 +250,15 @@ class Front:
                                                   f"{scope['path']}", status=405), dialect)
                 return
             await ChatRequest(self.relay, scope, receive, send, dialect).serve(body)
+            return
+        if scope["path"] == "/relay/v1/fanout":
+            from .fanout import FanoutRequest
+
+            if scope["method"] != "POST":
+                await send_error(send, RelayError("invalid_request", "use POST for "
+                                                  "/relay/v1/fanout", status=405))
+                return
+            await FanoutRequest(self.relay, scope, receive, send, OPENAI).serve(body)
             return
         replayed = False
 
@@ -332,10 +341,7 @@ class ChatRequest:
 
     def _prepare(self, body: bytes) -> tuple[Call, Plan, str]:
         record = self.record
-        priority = (_header(self.scope, b"x-relay-priority") or "normal").strip().lower()
-        if priority not in PRIORITIES:
-            raise RelayError("invalid_request", f"X-Relay-Priority must be one of "
-                             f"{', '.join(PRIORITIES)}, not {priority!r}")
+        priority = self._priority()
         record.priority = priority
         chat = self.dialect.parse(body)
         record.stream = chat.stream
@@ -354,13 +360,20 @@ class ChatRequest:
         self.progress_events = (_header(self.scope, b"x-relay-progress") or "").strip() == "events"
         return call, plan, priority
 
+    def _priority(self) -> str:
+        priority = (_header(self.scope, b"x-relay-priority") or "normal").strip().lower()
+        if priority not in PRIORITIES:
+            raise RelayError("invalid_request", f"X-Relay-Priority must be one of "
+                             f"{', '.join(PRIORITIES)}, not {priority!r}")
+        return priority
+
     async def _run(self, call: Call, plan: Plan, priority: str) -> None:
         from .core import RequestStop
 
         record = self.record
         out, events = trio.open_memory_channel[Any](CHANNEL_SIZE)
         writer = (StreamWriter if call.stream else JSONWriter)(self, plan.targets[0].name)
-        stop = RequestStop(trio.CancelScope())
+        stop = RequestStop()
         dispatcher = Dispatcher(self.relay, plan, call, priority, record, stop, call.stream)
         self.relay.track(stop)
         try:
