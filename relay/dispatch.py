@@ -178,7 +178,7 @@ class AttemptSink:
         self.open_choices: set[int] = set()
         self.finished: set[int] = set()
         self.closed = False
-        self.text = ""             # choice 0's text accepted so far (for a prefill)
+        self.pieces: list[str] = []  # choice 0's text accepted so far (for a prefill)
         self.other_output = False  # tool calls or extra fields: cannot be continued
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -200,13 +200,24 @@ class AttemptSink:
                     self.on_first_token()
             self.last_token_at = now
             if event.content and event.index == 0:
-                self.text += event.content
+                self.pieces.append(event.content)  # joined only when read: no O(n²)
             if event.tool_calls or event.extra or event.index != 0:
                 self.other_output = True
         elif isinstance(event, Finish):
             self.open_choices.add(event.index)
             self.finished.add(event.index)
-        await self._out.send(event)
+        # Hand the event over without a trip through the scheduler when the channel has
+        # room: the writer then wakes to a batch it can coalesce into one send. The
+        # adapter's next read of the network is its checkpoint; a full channel (a slow
+        # client) still blocks here, so backpressure holds.
+        try:
+            self._out.send_nowait(event)
+        except trio.WouldBlock:
+            await self._out.send(event)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
     def tell(self, event: Any) -> None:
         """A notice from the lane (queued, started): never blocks, dropped once closed."""
@@ -371,7 +382,7 @@ class Dispatcher:
         self.record.attempts.append(record)
         self.record.provider, self.record.model = target.provider.name, target.model
         sink = AttemptSink(out)
-        sink.text, sink.other_output = sent.text, sent.other_output
+        sink.pieces, sink.other_output = [sent.text], sent.other_output
         run = _Run(target, call, sink, record)
         sink.on_first_token = run.poke
         self.runs.append(run)

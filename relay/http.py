@@ -49,7 +49,10 @@ def make_client(settings: HTTPSettings, *, max_connections: int = 64) -> httpx.A
         transport=httpx.AsyncHTTPTransport(
             retries=0, proxy=settings.proxy,
             limits=httpx.Limits(max_connections=max_connections,
-                                max_keepalive_connections=min(16, max_connections))),
+                                # All of them: httpcore 1.0.9 counts every pooled
+                                # connection, busy or not, against this limit, and
+                                # closes idle ones past it (encode/httpcore#1000).
+                                max_keepalive_connections=max_connections)),
         trust_env=False,
         follow_redirects=False,
     )

@@ -128,26 +128,26 @@ async def check(r: relay.Relay, name: str) -> dict[str, Any]:
 
 async def test_a_check_waits_first_in_line_but_never_stops_running_work(
         nursery: trio.Nursery, tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
-    async with open_relay(config_from(CHECKS, tmp_path), discover=False) as r:
-        order: list[str] = []
+    text = CHECKS.replace('models = ["echo"]', 'models = ["echo"]\ncheck_model = "echo?delay_s=5"')
+    async with open_relay(config_from(text, tmp_path), discover=False) as r:
         running = ASGIResult()
         nursery.start_soon(asgi_request, r.app, "/v1/chat/completions",
                            chat("fake/echo?delay_s=10"), running)
         await trio.testing.wait_all_tasks_blocked()
         queued = ASGIResult()
-
-        async def normal() -> None:
-            await asgi_request(r.app, "/v1/chat/completions", chat("fake/echo"), queued)
-            order.append("normal")
-
-        nursery.start_soon(normal)
+        nursery.start_soon(asgi_request, r.app, "/v1/chat/completions", chat("fake/echo"),
+                           queued)
         await trio.testing.wait_all_tasks_blocked()
-        result = await check(r, "fake")
-        order.append("check")
+        result = await check(r, "fake")       # queued after the normal request ...
         await queued.done.wait()
-        assert running.status == 200          # not stopped by the check
-        assert order == ["check", "normal"]   # but the check went first
+        assert running.status == 200          # ... never stopping the running one ...
         assert result["outcome"] == "answered"
+        by_route = {rec["route"]: rec for rec in r.records.recent}
+        normal = next(rec for rec in r.records.recent if rec["route"] is None
+                      and rec["queue_ms"] and rec["queue_ms"] > 0)
+        # ... but first in line: it ran 10 s to 15 s, the normal one waited until 15 s.
+        assert by_route["(check)"]["queue_ms"] == pytest.approx(10_000)
+        assert normal["queue_ms"] == pytest.approx(15_000)
 
 
 async def test_a_check_that_fails_for_capacity_changes_nothing(
