@@ -579,3 +579,25 @@ async def test_a_refused_chat_request_still_gets_its_one_record(
     await wait_for(lambda: len(records(tmp_path)) == 2)
     assert [(x["status"], x["reason"]) for x in records(tmp_path)] == [
         (403, "bad_host"), (415, "invalid_request")]
+
+
+async def test_headers_that_trickle_in_are_dropped(nursery: trio.Nursery,
+                                                    tmp_path: Path) -> None:
+    # Slowloris on the headers: hypercorn's keep-alive timer (5 s) runs until a request's
+    # headers are complete, so a connection that never finishes them is closed.
+    served = await start_relay(nursery, FAKE_ONLY, tmp_path)
+    stream = await trio.open_tcp_stream("127.0.0.1", port_of(served))
+    await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    t0 = trio.current_time()
+    closed = False
+    with trio.fail_after(10):
+        while not closed:
+            try:
+                await stream.send_all(b"X-Slow: 1\r\n")
+            except trio.BrokenResourceError:
+                break
+            with trio.move_on_after(0.5):
+                closed = await stream.receive_some(100) == b""
+    assert 4.5 < trio.current_time() - t0 < 7
+    await stream.aclose()
+    untouched(served)
