@@ -22,13 +22,14 @@ import json
 import time
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from relay.config import Profile, ProviderConfig
 from relay.errors import RelayError
 from relay.events import Call, EventSink
 
-__all__ = ["Adapter", "parse_retry_after", "upstream_failure"]
+__all__ = ["AUTH_REASONS", "CONTEXT_PHRASES", "QUOTA_PHRASES", "Adapter", "parse_retry_after",
+           "upstream_failure"]
 
 
 class Adapter:
@@ -37,6 +38,10 @@ class Adapter:
     prefill: ClassVar[bool] = False
     # Request fields this kind can honour; None: everything passes through.
     supported_params: ClassVar[frozenset[str] | None] = None
+    # Fields outside supported_params whose value asks for nothing this kind would do
+    # differently (``n = 1``, a penalty of 0): honoured by doing nothing. A null value
+    # is the field's default and always passes.
+    neutral_params: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, provider: ProviderConfig) -> None:
         self.provider = provider
@@ -81,8 +86,10 @@ class Adapter:
         """Raise ``unsupported`` for a field this kind cannot honour."""
         if self.supported_params is None:
             return
-        for key in call.params:
-            if key not in self.supported_params:
+        for key, value in call.params.items():
+            if key in self.supported_params or value is None:
+                continue
+            if key not in self.neutral_params or self.neutral_params[key] != value:
                 raise RelayError(
                     "unsupported",
                     f"provider {self.name!r} ({self.kind}) cannot honour the request field "
@@ -123,50 +130,140 @@ def parse_retry_after(headers: Mapping[str, str]) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-def _error_fields(text: str) -> tuple[str, str | None, str | None]:
-    """(message, code, type) from a provider's error body, whatever its shape."""
+# Words that mean the same failure whatever the provider's error shape (lower case).
+# A conversation longer than the model's context (a larger model may fit: SPEC F2).
+CONTEXT_PHRASES = (
+    "context_length_exceeded", "maximum context length",     # OpenAI-compatible servers
+    "prompt is too long",                                      # Anthropic
+    "exceeds the maximum number of tokens",                    # Gemini ("input token count")
+)
+# An account out of money or out of its allowance: waiting a minute will not help.
+QUOTA_PHRASES = (
+    "insufficient_quota", "billing_error",                     # OpenAI; Anthropic's type
+    "credit balance is too low", "credits are depleted",       # Anthropic; Gemini prepay
+    "limit: 0",                                                # Gemini: no allowance at all
+)
+# A bad key that a provider reports without a 401/403 (Gemini: 400 INVALID_ARGUMENT).
+AUTH_REASONS = ("API_KEY_INVALID", "API_KEY_SERVICE_BLOCKED")
+
+
+class _Said(NamedTuple):
+    """What a provider's error body says, whatever its shape."""
+
+    message: str
+    code: str | None = None     # OpenAI's code, or Google's status word
+    type: str | None = None     # OpenAI's or Anthropic's error type
+    retry_s: float | None = None  # google.rpc.RetryInfo retryDelay
+    windows: tuple[str, ...] = ()  # google.rpc.QuotaFailure quota ids and metrics
+    reasons: tuple[str, ...] = ()  # google.rpc.ErrorInfo reasons
+
+
+def _error_fields(text: str) -> _Said:
+    """Read an error body: OpenAI's ``{"error": {message, type, code}}``, Anthropic's
+    ``{"type": "error", "error": {type, message}}``, Google's ``{"error": {code, message,
+    status, details}}`` (also wrapped in a list), or plain text."""
     try:
         body = json.loads(text)
     except ValueError:
-        return text.strip(), None, None
+        return _Said(text.strip())
+    if isinstance(body, list) and body and isinstance(body[0], dict):
+        body = body[0]
     err = body.get("error", body) if isinstance(body, dict) else body
-    if isinstance(err, dict):
-        message = err.get("message") or err.get("msg") or text.strip()
-        code = err.get("code") if isinstance(err.get("code"), str) else None
-        etype = err.get("type") if isinstance(err.get("type"), str) else None
-        status = err.get("status") if isinstance(err.get("status"), str) else None
-        return str(message), code or status, etype
     if isinstance(err, str):
-        return err, None, None
-    return text.strip(), None, None
+        return _Said(err)
+    if not isinstance(err, dict):
+        return _Said(text.strip())
+
+    def word(key: str) -> str | None:
+        value = err.get(key)
+        return value if isinstance(value, str) else None
+
+    message = str(err.get("message") or err.get("msg") or text.strip())
+    retry_s: float | None = None
+    windows: list[str] = []
+    reasons: list[str] = []
+    for detail in err.get("details") or ():
+        if not isinstance(detail, dict):
+            continue
+        kind = str(detail.get("@type", ""))
+        if kind.endswith("RetryInfo"):
+            retry_s = _duration_s(detail.get("retryDelay"))
+        elif kind.endswith("QuotaFailure"):
+            for violation in detail.get("violations") or ():
+                if isinstance(violation, dict):
+                    windows += [str(violation.get(k, "")) for k in ("quotaId", "quotaMetric")]
+        elif kind.endswith("ErrorInfo") and isinstance(detail.get("reason"), str):
+            reasons.append(detail["reason"])
+    return _Said(message, word("code") or word("status"), word("type"), retry_s,
+                 tuple(w for w in windows if w), tuple(reasons))
+
+
+def _duration_s(value: Any) -> float | None:
+    """A protobuf Duration as JSON (``"43s"``, ``"0.5s"``) in seconds."""
+    if isinstance(value, str) and value.endswith("s"):
+        try:
+            return max(0.0, float(value[:-1]))
+        except ValueError:
+            return None
+    return None
+
+
+def _is_quota(said: _Said, lowered: str) -> bool | None:
+    """True: the allowance is used up; False: a short-window rate limit; None: unknown."""
+    if any(p in lowered for p in QUOTA_PHRASES) or "quota" in (said.code or "").lower():
+        return True
+    windows = " ".join(said.windows).lower()
+    if "perday" in windows or "per_day" in windows:
+        return True
+    if any(w in windows for w in ("perminute", "per_minute", "persecond", "per_second")):
+        return False
+    if "per day" in lowered or "daily" in lowered:
+        return True
+    return None
 
 
 def upstream_failure(
     provider: str, status: int, text: str, headers: Mapping[str, str], *,
-    key_hint: str | None = None,
+    key_hint: str | None = None, in_stream: bool = False,
 ) -> RelayError:
     """Map a provider's HTTP error answer to a relay error (one mapping for every HTTP
-    adapter). The provider's words go to the client whole, in ``upstream_message``."""
-    message, code, etype = _error_fields(text)
-    said = f"provider {provider!r} answered {status}: {message}"
-    common: dict[str, Any] = {"provider": provider, "upstream_status": status,
+    adapter). The provider's words go to the client whole, in ``upstream_message``.
+
+    ``in_stream``: the error arrived inside a 200 stream (Anthropic's ``event: error``);
+    ``status`` is then the one its error type stands for, and no upstream status is
+    reported, since the provider sent none.
+    """
+    said = _error_fields(text)
+    message = said.message
+    where = (f"provider {provider!r} reported an error inside the stream" if in_stream
+             else f"provider {provider!r} answered {status}")
+    said_it = f"{where}: {message}"
+    common: dict[str, Any] = {"provider": provider,
+                              "upstream_status": None if in_stream else status,
                               "upstream_message": message}
-    lowered = f"{code} {etype} {message}".lower()
-    if status in (401, 403):
+    lowered = f"{said.code} {said.type} {message}".lower()
+    if status in (401, 403) or any(r in AUTH_REASONS for r in said.reasons):
         action = (f"check the API key in the environment variable {key_hint}"
                   if key_hint else "check the provider's API key or login")
-        return RelayError("auth_required", f"{said}. Authentication failed: {action}.",
+        return RelayError("auth_required", f"{said_it}. Authentication failed: {action}.",
                           action=action, **common)
-    if status == 429 or code == "RESOURCE_EXHAUSTED":
-        if "insufficient_quota" in lowered or "quota" in (code or "").lower():
-            return RelayError("quota_exhausted", f"{said}. The account's quota is used up.",
-                              **common)
-        return RelayError("rate_limited", f"{said}. The provider is rate limiting; retry "
-                          "after the time it gave.", retry_after_s=parse_retry_after(headers)
-                          or 1.0, **common)
+    quota = _is_quota(said, lowered)
+    if status == 429 or said.code == "RESOURCE_EXHAUSTED":
+        if quota:
+            return RelayError("quota_exhausted", f"{said_it}. The account's quota is used "
+                              "up.", **common)
+        retry = parse_retry_after(headers)
+        return RelayError("rate_limited", f"{said_it}. The provider is rate limiting; retry "
+                          "after the time it gave.",
+                          retry_after_s=retry if retry is not None else said.retry_s or 1.0,
+                          **common)
     if 400 <= status < 500:
-        if "context_length_exceeded" in lowered or "maximum context length" in lowered:
-            return RelayError("context_too_long", f"{said}. The conversation is longer than "
-                              "this model's context.", **common)
-        return RelayError("rejected", said, status=status, **common)
-    return RelayError("upstream_error", f"{said}. The provider failed on its side.", **common)
+        if any(p in lowered for p in QUOTA_PHRASES):
+            return RelayError("quota_exhausted", f"{said_it}. The account's quota is used "
+                              "up.", **common)
+        if any(p in lowered for p in CONTEXT_PHRASES):
+            return RelayError("context_too_long", f"{said_it}. The conversation is longer "
+                              "than this model's context.", **common)
+        return RelayError("rejected", said_it, status=status, **common)
+    return RelayError("upstream_error", f"{said_it}. The provider failed on its side.",
+                      **common)

@@ -1,0 +1,255 @@
+"""What the cloud adapters with their own wire format (``anthropic``, ``gemini``) share.
+
+- `CloudAdapter`: a key from the environment (refused up front, as ``auth_required``,
+  when the variable is unset), one pooled client per provider, GET-JSON for model
+  discovery, and `read_sse` — the streamed answer's read loop;
+- `SSEDecoder`: server-sent events, line by line, without I/O (testable on its own);
+- content-part helpers both translations use (data: URLs, JSON tool arguments).
+
+`read_sse` is where completeness is decided (SPEC E4): the adapter's handler says which
+event is the final one (Anthropic's ``message_stop``, Gemini's last ``finishReason``).
+A body that ends before it — cleanly or by a dropped connection — is ``stream_cut``; a
+connection that drops after it is a complete answer. After the final event the rest of
+the body is read for at most `DRAIN_AFTER_FINAL_S`, so the pooled connection can be
+reused without a stuck body holding the lane.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, ClassVar
+
+import trio
+
+from relay.errors import RelayError
+from relay.http import AsyncClient, make_client, transport_errors
+
+from .base import Adapter, upstream_failure
+
+__all__ = ["DRAIN_AFTER_FINAL_S", "CloudAdapter", "SSEDecoder", "data_url", "json_args", "obj",
+           "stop_sequences", "tool_calls"]
+
+DRAIN_AFTER_FINAL_S = 1.0
+MAX_MODEL_PAGES = 20  # model discovery follows at most this many pages
+
+
+class SSEDecoder:
+    """Server-sent events (the WHATWG rules relay needs), fed one line at a time.
+
+    ``feed(line)`` returns ``(event, data)`` when a blank line ends an event that had
+    data; comments (``: keepalive``) and ``id:``/``retry:`` fields are ignored.
+    """
+
+    def __init__(self) -> None:
+        self.event: str | None = None
+        self.data: list[str] = []
+
+    def feed(self, line: str) -> tuple[str | None, str] | None:
+        if not line:
+            return self.flush()
+        if line.startswith(":"):
+            return None
+        field, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if field == "event":
+            self.event = value
+        elif field == "data":
+            self.data.append(value)
+        return None
+
+    def flush(self) -> tuple[str | None, str] | None:
+        """The event in progress, if the body ended without its blank line."""
+        event, data = self.event, self.data
+        self.event, self.data = None, []
+        return (event, "\n".join(data)) if data else None
+
+
+def data_url(url: str) -> tuple[str, str] | None:
+    """``(media type, base64 data)`` of a ``data:…;base64,…`` URL, else None."""
+    if not url.startswith("data:"):
+        return None
+    head, comma, data = url[5:].partition(",")
+    media, _, encoding = head.partition(";")
+    if not comma or encoding.lower() != "base64" or not media:
+        return None
+    return media, data
+
+
+def json_args(arguments: Any, where: str) -> dict[str, Any]:
+    """A tool call's ``function.arguments`` (a JSON string, OpenAI's shape) as an object.
+
+    Raises:
+        RelayError: ``invalid_request`` naming the message when it is not a JSON object.
+    """
+    if isinstance(arguments, dict):
+        return arguments
+    if arguments is None or arguments == "":
+        return {}
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else None
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise RelayError("invalid_request", f"{where}.function.arguments must be a JSON "
+                         f"object (as a string), not {str(arguments)[:80]!r}",
+                         param="messages")
+    return value
+
+
+def obj(value: Any) -> dict[str, Any]:
+    """``value`` if it is a JSON object, else an empty one (for optional sub-objects)."""
+    return value if isinstance(value, dict) else {}
+
+
+def tool_calls(message: dict[str, Any], where: str) -> list[tuple[str | None, str, Any, Any]]:
+    """An assistant message's ``tool_calls`` as ``(id, name, arguments, the call)``.
+
+    Raises:
+        RelayError: ``invalid_request`` naming the message when they are malformed.
+    """
+    calls = message.get("tool_calls")
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise RelayError("invalid_request", f"{where}.tool_calls must be a list",
+                         param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RelayError("invalid_request", f"{where}.tool_calls[{j}] needs a function "
+                             "with a name", param="messages")
+        call_id = call.get("id")
+        out.append((call_id if isinstance(call_id, str) else None, fn["name"],
+                    json_args(fn.get("arguments"), f"{where}.tool_calls[{j}]"), call))
+    return out
+
+
+def stop_sequences(stop: Any) -> list[str]:
+    """OpenAI's ``stop`` (a string or a list of strings) as a list.
+
+    Raises:
+        RelayError: ``invalid_request`` naming ``stop``.
+    """
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise RelayError("invalid_request", "'stop' must be a string or a list of strings",
+                     param="stop")
+
+
+class CloudAdapter(Adapter):
+    """An HTTP adapter whose provider takes a key from the environment."""
+
+    default_base_url: ClassVar[str]
+    default_key_env: ClassVar[str]
+
+    _client: AsyncClient
+
+    def __init__(self, provider: Any) -> None:
+        super().__init__(provider)
+        self.base_url = (self.settings.base_url or self.default_base_url).rstrip("/")
+        self.key_env: str = self.settings.api_key_env or self.default_key_env
+        key = os.environ.get(self.key_env) or ""
+        self.headers: dict[str, str] = {"user-agent": "relay", **self.key_headers(key)}
+        self.headers.update(self.settings.headers)
+        self.key_missing = not key
+
+    def key_headers(self, key: str) -> dict[str, str]:
+        """The headers that carry the key (never logged, never recorded)."""
+        raise NotImplementedError
+
+    # --- what the kind declares -------------------------------------------------------------
+    @classmethod
+    def describe_settings(cls, settings: Any) -> str:
+        base = settings.base_url or cls.default_base_url
+        proxy = f", proxy {settings.proxy}" if settings.proxy else ""
+        return f"base_url {base}, key from {settings.api_key_env or cls.default_key_env}{proxy}"
+
+    @classmethod
+    def settings_problems(cls, settings: Any) -> list[tuple[str, str]]:
+        url = settings.base_url or ""
+        if url and not url.startswith(("http://", "https://")):
+            return [("base_url", f"must start with http:// or https://: {url!r}")]
+        return []
+
+    # --- an instance's life -----------------------------------------------------------------
+    async def __aenter__(self) -> CloudAdapter:
+        self._client = make_client(self.settings,
+                                   max_connections=max(4, self.provider.profile.lanes * 2))
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self._client.aclose()
+
+    def refuse_without_key(self) -> None:
+        if self.key_missing:
+            action = f"set the environment variable {self.key_env} to the provider's API key"
+            raise RelayError("auth_required", f"provider {self.name!r} needs an API key: "
+                             f"{action}, then restart relay", provider=self.name,
+                             action=action)
+
+    def failure(self, status: int, text: str, headers: Any) -> RelayError:
+        return upstream_failure(self.name, status, text, headers, key_hint=self.key_env)
+
+    def unreadable(self, what: str, text: str) -> RelayError:
+        return RelayError("bad_upstream_response", f"provider {self.name!r} sent {what} relay "
+                          f"cannot read: {text[:300]!r}", provider=self.name,
+                          upstream_message=text)
+
+    async def get_json(self, url: str, what: str) -> Any:
+        """GET a small JSON document (a model list page).
+
+        Raises:
+            RelayError: the mapped upstream failure, or ``bad_upstream_response``.
+        """
+        self.refuse_without_key()
+        with transport_errors(self.name, what):
+            async with self._client.stream("GET", url, headers=self.headers) as resp:
+                text = (await resp.aread()).decode("utf-8", "replace")
+        if resp.status_code != 200:
+            raise self.failure(resp.status_code, text, resp.headers)
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise self.unreadable(f"a {what}", text) from exc
+
+    async def read_sse(self, resp: Any,
+                       handle: Callable[[str | None, str], Awaitable[bool]]) -> None:
+        """Feed every event of a streamed answer to ``handle``, which returns True once
+        the final event has come.
+
+        Raises:
+            RelayError: ``stream_cut`` when the body ends (or the connection drops)
+                before the final event; whatever ``handle`` raises.
+        """
+        decoder = SSEDecoder()
+        final = False
+        try:
+            with trio.CancelScope() as tail, transport_errors(self.name, "answer"):
+                async for line in resp.aiter_lines():
+                    if final:
+                        continue  # draining the end of the body (bounded by tail)
+                    event = decoder.feed(line)
+                    if event is not None and await handle(*event):
+                        final = True
+                        tail.deadline = trio.current_time() + DRAIN_AFTER_FINAL_S
+                if not final:
+                    event = decoder.flush()
+                    final = event is not None and await handle(*event)
+        except RelayError as exc:
+            if exc.reason != "upstream_unavailable":
+                raise
+            if not final:
+                raise RelayError("stream_cut", f"provider {self.name!r} broke off the answer "
+                                 f"before it was complete: {exc.message}",
+                                 provider=self.name) from exc
+            return  # the connection dropped after the final event: complete
+        if not final:
+            raise RelayError("stream_cut", f"provider {self.name!r} ended the stream before "
+                             "its final event: the answer is incomplete", provider=self.name)
