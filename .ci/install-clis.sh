@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Install what tests/test_cli_adapters_real.py needs: the three command-line AI tools from
+# the npm registry (global, pinned to the versions notes/cli-tools.md observed) and iproute2
+# (`ip netns`: the real tools run in a network namespace that has only loopback).
+# Idempotent: a tool already installed at its pinned version is left alone.
+set -euo pipefail
+export npm_config_fund=false npm_config_audit=false npm_config_update_notifier=false
+
+PINS=(
+  "@anthropic-ai/claude-code@2.1.332"
+  "@openai/codex@0.171.0"
+  "@google/gemini-cli@0.61.0"
+)
+
+if ! command -v ip >/dev/null 2>&1; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+fi
+if ! command -v npm >/dev/null 2>&1; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null
+fi
+
+root="$(npm root -g)"
+missing=()
+for pin in "${PINS[@]}"; do
+  name="${pin%@*}"
+  want="${pin##*@}"
+  have="$(node -p "require('$root/$name/package.json').version" 2>/dev/null || true)"
+  if [[ "$have" != "$want" ]]; then
+    missing+=("$pin")
+  fi
+done
+if ((${#missing[@]})); then
+  echo "installing ${missing[*]}"
+  # claude-code declares engines.node >=22 but ships a native binary (notes/cli-tools.md):
+  # npm's EBADENGINE warning is expected on Node 20.
+  npm install -g --no-progress --loglevel=error "${missing[@]}"
+fi
+for tool in claude codex gemini; do
+  command -v "$tool" >/dev/null || { echo "install-clis: $tool not on PATH" >&2; exit 1; }
+done
+echo "install-clis: claude $(claude --version 2>/dev/null | head -1); codex $(codex --version 2>/dev/null | head -1); gemini $(gemini --version 2>/dev/null | head -1)"
