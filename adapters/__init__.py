@@ -7,8 +7,13 @@ the two cannot share one environment.
 
 from __future__ import annotations
 
+from .anthropic import AnthropicAdapter
 from .base import Adapter
+from .claude_cli import ClaudeCLIAdapter
+from .codex_cli import CodexCLIAdapter
 from .fake import FakeAdapter
+from .gemini import GeminiAdapter
+from .gemini_cli import GeminiCLIAdapter
 from .openai_compat import OpenAIAdapter
 
 __all__ = ["ADAPTERS", "Adapter"]
@@ -16,4 +21,9 @@ __all__ = ["ADAPTERS", "Adapter"]
 ADAPTERS: dict[str, type[Adapter]] = {
     FakeAdapter.kind: FakeAdapter,
     OpenAIAdapter.kind: OpenAIAdapter,
+    AnthropicAdapter.kind: AnthropicAdapter,
+    GeminiAdapter.kind: GeminiAdapter,
+    ClaudeCLIAdapter.kind: ClaudeCLIAdapter,
+    CodexCLIAdapter.kind: CodexCLIAdapter,
+    GeminiCLIAdapter.kind: GeminiCLIAdapter,
 }

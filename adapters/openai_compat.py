@@ -208,6 +208,8 @@ class OpenAIAdapter(Adapter):
                     try:
                         chunk = json.loads(data)
                     except ValueError:
+                        chunk = None
+                    if chunk is None:
                         await events.send(Skipped(f"not JSON: {data[:120]!r}"))
                         continue
                     if not isinstance(chunk, dict):

@@ -1,9 +1,10 @@
 """The ``relay`` command line (SPEC 9).
 
-    relay serve [--config FILE] [--host H] [--port N]
+    relay serve [--config FILE] [--host H] [--port N] [--env-file FILE]
     relay config check [--config FILE]
     relay status [--url URL]
     relay check [PROVIDER…] [--url URL]
+    relay service install|uninstall --systemd|--launchd [--config FILE] [--print]
 
 A config error prints every problem (file, table, key, what is wrong) and exits 2.
 """
@@ -38,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (default from the config: 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default from the config: 8765)")
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING …")
+    serve.add_argument("--env-file", help="load KEY=VALUE lines into the environment "
+                       "first (provider keys for a service; values are never logged)")
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     check = config_sub.add_parser("check", help="validate and print the resolved config")
@@ -47,6 +50,20 @@ def _parser() -> argparse.ArgumentParser:
     checks = sub.add_parser("check", help="run connection checks on a running daemon")
     checks.add_argument("providers", nargs="*", help="provider names (default: all)")
     checks.add_argument("--url", default=os.environ.get("RELAY_URL", DEFAULT_URL))
+    service = sub.add_parser("service", help="run relay as a systemd or launchd service")
+    service_sub = service.add_subparsers(dest="service_command", required=True)
+    for action in ("install", "uninstall"):
+        cmd = service_sub.add_parser(action, help=f"{action} the user unit / LaunchAgent")
+        kind = cmd.add_mutually_exclusive_group(required=True)
+        kind.add_argument("--systemd", dest="kind", action="store_const", const="systemd",
+                          help="~/.config/systemd/user/relay.service")
+        kind.add_argument("--launchd", dest="kind", action="store_const", const="launchd",
+                          help="~/Library/LaunchAgents/local.relay.plist")
+        if action == "install":
+            cmd.add_argument("--config", help="config file (default: ./profiles.toml if "
+                             "present, else the packaged default)")
+            cmd.add_argument("--print", action="store_true", dest="print_only",
+                             help="write the unit / plist to stdout instead")
     return parser
 
 
@@ -68,6 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port))
                      if v is not None}
+        if args.env_file is not None:
+            from .service import load_env_file
+
+            try:
+                names = load_env_file(args.env_file)
+            except ConfigError as exc:
+                print("relay: " + "\n  ".join(exc.problems), file=sys.stderr)
+                return 2
+            print(f"relay: environment from {args.env_file}: {', '.join(names) or '(none)'}",
+                  file=sys.stderr)
         config = _load(args.config, overrides)
         if config is None:
             return 2
@@ -83,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "status":
         return _status(args.url)
+    if args.command == "service":
+        from . import service
+
+        if args.service_command == "install":
+            return service.install(args.kind, config_path=args.config,
+                                   print_only=args.print_only)
+        return service.uninstall(args.kind)
     if args.command == "check":
         return _check(args.url, args.providers)
     return 2  # pragma: no cover - argparse refuses other commands

@@ -12,17 +12,18 @@ import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
-
-from adapters import ADAPTERS, Adapter
 
 from .config import Config, ProviderConfig, load_config
 from .errors import ConfigError, RelayError
 from .lanes import Lane
 from .records import Clock, RecordWriter
+
+if TYPE_CHECKING:
+    from adapters import Adapter
 
 __all__ = ["ConfigError", "Provider", "Relay", "RequestStop", "open_relay"]
 
@@ -112,6 +113,10 @@ class Relay:
         self.idle.set()
         self.reloaded = trio.Event()  # set (and replaced) on every reload
         self._reload_lock = trio.Lock()
+        from .metrics import Metrics
+
+        self.metrics = Metrics(self)  # GET /metrics; counts every record as it is written
+        records.observers.append(self.metrics.observe)
         from .front import Front
 
         self.app = Front(self)
@@ -127,6 +132,8 @@ class Relay:
         """Each adapter lives in a task of relay's own nursery, so whatever it holds (an
         HTTP pool, warm CLI processes with a nursery of their own) is opened and closed by
         one task; it is closed when relay stops or the adapter is retired."""
+        from adapters import ADAPTERS  # the registry; imported late: adapters import relay
+
         adapter = ADAPTERS[config.adapter](config)
         retire = trio.Event()
         await self.nursery.start(_hold_adapter, adapter, retire)

@@ -212,8 +212,10 @@ class AttemptSink:
         # client) still blocks here, so backpressure holds.
         try:
             self._out.send_nowait(event)
+            return
         except trio.WouldBlock:
-            await self._out.send(event)
+            pass
+        await self._out.send(event)
 
     @property
     def text(self) -> str:
@@ -226,6 +228,8 @@ class AttemptSink:
                 self._out.send_nowait(event)
             except trio.WouldBlock:
                 pass  # the writer also reads the lane's statistics on its own
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass  # the request is already over (its writer has gone)
 
     @property
     def complete(self) -> bool:

@@ -12,7 +12,8 @@ from typing import Any, Protocol
 
 import attrs
 
-__all__ = ["Call", "Delta", "Event", "EventSink", "Finish", "Skipped", "Usage"]
+__all__ = ["Call", "Delta", "Event", "EventSink", "Finish", "Recovered", "Skipped",
+           "Usage"]
 
 
 @attrs.frozen(kw_only=True)
@@ -70,7 +71,16 @@ class Skipped:
     detail: str
 
 
-Event = Delta | Finish | Usage | Skipped
+@attrs.frozen(slots=True)
+class Recovered:
+    """The answer was salvaged (SPEC E3): the tool said the run completed and gave text,
+    but also signalled an error at the end (``detail``, in its own words). The writer
+    marks the request's record ``recovered``; the client sees the answer only."""
+
+    detail: str
+
+
+Event = Delta | Finish | Usage | Skipped | Recovered
 
 
 class EventSink(Protocol):

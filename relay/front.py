@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from .anthropic_api import ANTHROPIC
 from .config import is_loopback_host
 from .dispatch import Dispatcher, Plan, make_plan
 from .errors import RelayError
@@ -56,7 +57,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 CHANNEL_SIZE = 64
 # The relay routes: served here in raw ASGI, each in its dialect (SPEC A1, A6).
-RELAY_ROUTES: dict[str, Dialect] = {"/v1/chat/completions": OPENAI}
+RELAY_ROUTES: dict[str, Dialect] = {"/v1/chat/completions": OPENAI, "/v1/messages": ANTHROPIC}
 
 
 def _dumps(obj: Any) -> bytes:
@@ -154,18 +155,25 @@ class Guard:
                 return RelayError("bad_host", f"Host {host!r} is not accepted: relay answers "
                                   "only requests addressed to its own loopback name (a "
                                   "foreign Host is how DNS rebinding attacks look)")
-        if origin is not None and origin not in self.origins:
+        # A page relay serves itself (the status page at /) posts with its own origin:
+        # exactly "http://" + the Host it loaded from, which passed the check above.
+        same_origin = host is not None and origin == f"http://{host.strip().lower()}"
+        if origin is not None and origin not in self.origins and not same_origin:
             return RelayError("forbidden_origin", f"requests from the browser origin "
                               f"{origin!r} are not allowed; add it to [server] cors_origins "
                               "to allow it")
-        if self.token is not None and scope["path"] != "/healthz" and scope["method"] != "OPTIONS":
-            given = _header(scope, b"authorization") or ""
-            scheme, _, value = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                    value.strip().encode(), self.token.encode()):
+        # The status page (/) holds no data; it asks for the token and sends it itself.
+        if self.token is not None and scope["path"] not in ("/healthz", "/") and scope[
+                "method"] != "OPTIONS":
+            scheme, _, value = (_header(scope, b"authorization") or "").partition(" ")
+            if scheme.lower() != "bearer":
+                # Anthropic's clients send their key as x-api-key.
+                value = _header(scope, b"x-api-key") or ""
+            if not value or not hmac.compare_digest(value.strip().encode(),
+                                                    self.token.encode()):
                 return RelayError("unauthorized", "this relay requires a token: send "
-                                  "'Authorization: Bearer <token>' (the value of the "
-                                  "variable named by [server] token_env)")
+                                  "'Authorization: Bearer <token>' or 'x-api-key: <token>' "
+                                  "(the value of the variable named by [server] token_env)")
         if scope["method"] in ("POST", "PUT", "PATCH"):
             length = _header(scope, b"content-length")
             has_body = _header(scope, b"transfer-encoding") is not None or (
@@ -307,14 +315,16 @@ class ChatRequest:
         record = self.record
         ended = False
         try:
+            refused: RelayError | None = None
             try:
                 call, plan, priority = self._prepare(body)
             except RelayError as exc:
-                self.fail(exc)
-                await self.send_error(exc)
-                ended = True
-                return
-            await self._run(call, plan, priority)
+                refused = exc
+            if refused is not None:
+                self.fail(refused)
+                await self.send_error(refused)
+            else:
+                await self._run(call, plan, priority)
             ended = True
         except Exception as exc:  # a bug: still one record, still an E1 body if we can
             logger.exception("request %s crashed", record.id)

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,12 +101,20 @@ class RecordWriter:
         self._failed = False
         self._closed = False
         self.recent: list[dict[str, Any]] = []  # the last few, for status and tests
+        # Called with each record as it is written (metrics count requests here: this is
+        # the one place every request ends, SPEC A5).
+        self.observers: list[Callable[[Record], None]] = []
 
     def write(self, record: Record) -> None:
         line = record.as_json(self.clock)
         self.recent.append(line)
         if len(self.recent) > 200:
             del self.recent[:100]
+        for observe in self.observers:
+            try:
+                observe(record)
+            except Exception:  # an observer's bug must never cost the record
+                logger.exception("a record observer failed on request %s", record.id)
         if self.path is None or self._failed or self._closed:
             return
         data = json.dumps(line, separators=(",", ":"), default=str) + "\n"

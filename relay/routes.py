@@ -1,4 +1,4 @@
-"""The plain JSON routes, served by Quart: models, status, health.
+"""The plain JSON routes, served by Quart: models, status, health, metrics, the status page.
 
 Quart's own 60 s response and body timeouts are off (notes/trio-stack.md: they cut long
 responses silently); relay owns its deadlines. Every error here is an E1 body too.
@@ -66,6 +66,29 @@ def make_quart_app(relay: Relay) -> QuartTrio:
                               for name, p in relay.providers.items()},
                 "draining": relay.draining}
         return Response(_json(body), content_type="application/json")
+
+    @app.get("/")
+    async def status_page() -> Response:
+        from .status_page import page_response
+
+        return page_response()
+
+    @app.get("/relay/v1/requests")
+    async def recent_requests() -> Response:
+        """The last records, newest first (``?limit=N``, at most 200): the status page's."""
+        from quart import request
+
+        limit = request.args.get("limit", "50")
+        if not limit.isdigit():
+            return _error(RelayError("invalid_request", "limit must be a whole number"))
+        recent = relay.records.recent[-min(int(limit), 200):] if int(limit) else []
+        return Response(_json({"requests": recent[::-1]}), content_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from .metrics import CONTENT_TYPE
+
+        return Response(relay.metrics.render(), content_type=CONTENT_TYPE)
 
     @app.post("/relay/v1/providers/<name>/check")
     async def check(name: str) -> Response:

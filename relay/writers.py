@@ -26,7 +26,7 @@ import trio
 
 from .dispatch import AttemptStarted, Ended, Queued, Started
 from .errors import RelayError
-from .events import Delta, Finish, Skipped, Usage
+from .events import Delta, Finish, Recovered, Skipped, Usage
 
 if TYPE_CHECKING:
     from .front import ChatRequest
@@ -99,6 +99,8 @@ class _Writer:
             self.record.usage = event.as_dict()
         elif isinstance(event, Skipped):
             self.record.skipped_events.append(event.detail)
+        elif isinstance(event, Recovered):  # SPEC E3: a salvaged answer
+            self.record.recovered = True
 
     async def send_error(self, error: RelayError) -> None:
         self.request.fail(error)
@@ -122,6 +124,7 @@ class JSONWriter(_Writer):
                 if not event.continues:  # whatever an earlier attempt produced is void
                     choices.clear()
                     usage = self.record.usage = None
+                    self.record.recovered = False
             elif isinstance(event, Ended):
                 if event.error is not None:
                     await self.send_error(event.error)
@@ -249,6 +252,7 @@ class StreamWriter(_Writer):
                     if not event.continues:
                         encoder.begin(event.model)
                         self.record.usage = None
+                        self.record.recovered = False
                 elif isinstance(event, Queued):
                     self.queued_on = event.provider
                     self.queued_at = trio.current_time()

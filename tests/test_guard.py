@@ -601,3 +601,17 @@ async def test_headers_that_trickle_in_are_dropped(nursery: trio.Nursery,
     assert 4.5 < trio.current_time() - t0 < 7
     await stream.aclose()
     untouched(served)
+
+
+async def test_the_token_may_come_as_x_api_key(nursery: trio.Nursery, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               client: httpx.AsyncClient) -> None:
+    monkeypatch.setenv("RELAY_TEST_TOKEN", "s3cret")
+    served = await start_relay(nursery, FAKE_ONLY.replace(
+        "[server]", '[server]\ntoken_env = "RELAY_TEST_TOKEN"'), tmp_path)
+    ok = await client.post(served.url + CHAT, json=chat("fake/echo"),
+                           headers={"x-api-key": "s3cret"})
+    assert ok.status_code == 200, ok.text
+    bad = await client.post(served.url + CHAT, json=chat("fake/echo"),
+                            headers={"x-api-key": "nope"})
+    refused(bad, 401, "unauthorized")

@@ -1,0 +1,139 @@
+"""Prometheus metrics for one relay: ``GET /metrics`` (issue 8).
+
+Each `Relay` has its own registry (never prometheus_client's global one), so two relays
+in one process — an embedding program, or the tests — never share or collide. Two kinds
+of numbers:
+
+- **Gauges read at scrape time** by a collector: every provider's lanes (running,
+  capacity, queued, queue_max, the same numbers as ``/relay/v1/status``), its state, the
+  requests in flight, and whether relay is draining. Nothing is cached, so a scrape and a
+  status call made together agree.
+- **Counters and histograms fed by the records.** Every request ends in exactly one
+  record (DESIGN invariant 5), so `Metrics.observe` — called by the record writer for
+  each record — is the single place they are counted: requests by provider, status and
+  reason; queue and run time; stops and their release lag (from the stop being asked to
+  the last lane being given back, SPEC C4). Connection checks are counted apart
+  (``relay_checks_total``) so that client traffic stays readable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+if TYPE_CHECKING:
+    from .core import Relay
+    from .records import Record
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+# The classic text format, which every Prometheus-compatible scraper reads.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+STATES = ("unverified", "connected", "warning", "failing")
+NO_PROVIDER = "none"  # a request refused before it named a provider (bad model, guard)
+
+# Seconds. Queues wait from milliseconds to the 10 minutes a CLI lane may ask (SPEC L5);
+# runs last from a local model's second to a CLI tool's ten minutes.
+QUEUE_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+RUN_BUCKETS = (0.05, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
+# A stop should release its lane at once for HTTP adapters; CLI tools take up to their
+# interrupt grace (5 s by default), then a kill.
+LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    """The metrics of one relay."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter(
+            "relay_requests", "Requests ended, by provider, HTTP status and reason "
+            "(reason 'ok' when answered)", ["provider", "status", "reason"], registry=reg)
+        self.checks = Counter(
+            "relay_checks", "Connection checks ended, by provider and reason ('ok' when "
+            "answered)", ["provider", "reason"], registry=reg)
+        self.queue_seconds = Histogram(
+            "relay_queue_seconds", "Time a request waited for a lane (pacer and queue)",
+            ["provider"], buckets=QUEUE_BUCKETS, registry=reg)
+        self.run_seconds = Histogram(
+            "relay_run_seconds", "Time a request held a lane", ["provider"],
+            buckets=RUN_BUCKETS, registry=reg)
+        self.stops = Counter(
+            "relay_stops", "Requests stopped before they completed (client gone, timeout, "
+            "shutdown), by provider and reason", ["provider", "reason"], registry=reg)
+        self.release_lag = Histogram(
+            "relay_stop_release_lag_seconds", "From a stop being asked to the request's "
+            "last lane being released", ["provider"], buckets=LAG_BUCKETS, registry=reg)
+        reg.register(_LiveCollector(relay))
+
+    def observe(self, record: Record) -> None:
+        """Count one ended request (the record writer calls this for every record)."""
+        provider = record.provider or NO_PROVIDER
+        reason = record.reason or "ok"
+        if record.route == "(check)":
+            self.checks.labels(provider, reason).inc()
+            return
+        self.requests.labels(provider, str(record.status), reason).inc()
+        if record.queue_ms is not None:
+            self.queue_seconds.labels(provider).observe(record.queue_ms / 1000)
+        if record.run_ms is not None:
+            self.run_seconds.labels(provider).observe(record.run_ms / 1000)
+        if record.stop_requested_at is not None:
+            self.stops.labels(provider, reason).inc()
+            if record.released_at is not None:  # None: it was stopped before it held a lane
+                lag = max(0.0, record.released_at - record.stop_requested_at)
+                self.release_lag.labels(provider).observe(lag)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of everything above."""
+        return generate_latest(self.registry)
+
+
+class _LiveCollector:
+    """Gauges computed at scrape time from the relay's current providers."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+
+    def describe(self) -> list[Metric]:
+        return list(self._families())  # the names, without reading any lane
+
+    def collect(self) -> Iterator[Metric]:
+        families = self._families()
+        running, capacity, queued, queue_max, state, in_flight, draining = families
+        for name, provider in self.relay.providers.items():
+            stats = provider.lane.statistics()
+            running.add_metric([name], stats.running)
+            capacity.add_metric([name], stats.capacity)
+            queued.add_metric([name], stats.queued)
+            queue_max.add_metric([name], stats.queue_max)
+            for each in STATES:
+                state.add_metric([name, each], 1.0 if provider.state == each else 0.0)
+        in_flight.add_metric([], len(self.relay.in_flight))
+        draining.add_metric([], 1.0 if self.relay.draining else 0.0)
+        yield from families
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, ...]:
+        lane = ["provider"]
+        return (
+            GaugeMetricFamily("relay_lane_running", "Requests holding a lane slot",
+                              labels=lane),
+            GaugeMetricFamily("relay_lane_capacity", "Lane slots (the profile's lanes)",
+                              labels=lane),
+            GaugeMetricFamily("relay_lane_queued", "Requests waiting for a lane slot",
+                              labels=lane),
+            GaugeMetricFamily("relay_lane_queue_max", "Requests allowed to wait",
+                              labels=lane),
+            GaugeMetricFamily("relay_provider_state", "1 for the provider's current state",
+                              labels=["provider", "state"]),
+            GaugeMetricFamily("relay_in_flight", "Requests and checks in flight",
+                              labels=[]),
+            GaugeMetricFamily("relay_draining", "1 while relay is draining (shutting down)",
+                              labels=[]),
+        )

@@ -1,0 +1,148 @@
+"""``GET /metrics``: Prometheus text that parses, and numbers that match the status and the
+records (issue 8)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import prometheus_client
+import trio
+from conftest import chat, records, start_relay, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+CONFIG = """
+[server]
+records = "records.jsonl"
+[providers.fake]
+adapter = "fake"
+models = ["echo"]
+[providers.slow]
+adapter = "fake"
+models = ["echo"]
+[providers.slow.profile]
+lanes = 2
+queue_max = 5
+queue_timeout_s = 120
+run_timeout_s = 120
+"""
+LANE_GAUGES = {"relay_lane_running": "running", "relay_lane_capacity": "capacity",
+               "relay_lane_queued": "queued", "relay_lane_queue_max": "queue_max"}
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+async def scrape(client: httpx.AsyncClient, url: str) -> Samples:
+    r = await client.get(f"{url}/metrics")
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain"), r.headers
+    out: Samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            out[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+async def hold(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> None:
+    await client.post(f"{url}/v1/chat/completions", json=body)  # the test cancels it
+
+
+async def test_metrics_match_status_under_load_and_records_after(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:
+        served = await start_relay(nursery, CONFIG, tmp_path)
+        url = served.url
+        lane = served.relay.providers["slow"].lane
+        async with httpx.AsyncClient(trust_env=False, timeout=30.0) as client:
+            async with trio.open_nursery() as holders:
+                for n in range(5):  # 2 running, 3 queued
+                    holders.start_soon(hold, client, url, chat("slow/echo?delay_s=60", str(n)))
+                await wait_for(lambda: (lane.statistics().running,
+                                        lane.statistics().queued) == (2, 3))
+                status = (await client.get(f"{url}/relay/v1/status")).json()["providers"]
+                samples = await scrape(client, url)
+                for name, provider in status.items():
+                    for metric, key in LANE_GAUGES.items():
+                        assert value(samples, metric, provider=name) == \
+                            provider["lanes"][key], (metric, name)
+                    assert value(samples, "relay_provider_state", provider=name,
+                                 state=provider["state"]) == 1.0
+                assert value(samples, "relay_lane_running", provider="slow") == 2
+                assert value(samples, "relay_lane_queued", provider="slow") == 3
+                assert value(samples, "relay_in_flight") == 5
+                assert value(samples, "relay_draining") == 0
+                holders.cancel_scope.cancel()  # the five clients leave
+            await wait_for(lambda: len(records(tmp_path)) == 5)
+
+            # Requests that end every way: answered, failed upstream, unknown model.
+            for _ in range(3):
+                assert (await client.post(f"{url}/v1/chat/completions",
+                                          json=chat("fake/echo"))).status_code == 200
+            r = await client.post(f"{url}/v1/chat/completions",
+                                  json=chat("fake/echo?fail=upstream_error"))
+            assert r.status_code == 502, r.text
+            r = await client.post(f"{url}/v1/chat/completions", json=chat("nope/x"))
+            assert r.status_code == 404
+            r = await client.post(f"{url}/relay/v1/providers/fake/check")
+            assert r.status_code == 200 and r.json()["outcome"] == "answered", r.text
+            await wait_for(lambda: len(records(tmp_path)) == 11)
+            samples = await scrape(client, url)
+
+        written = records(tmp_path)
+        requests = [r for r in written if r["route"] != "(check)"]
+        by_label = Counter((r["provider"] or "none", str(r["status"]), r["reason"] or "ok")
+                           for r in requests)
+        assert by_label == {("slow", "499", "client_disconnected"): 5,
+                            ("fake", "200", "ok"): 3, ("fake", "502", "upstream_error"): 1,
+                            ("none", "404", "unknown_model"): 1}
+        counted = {labels: v for (name, labels), v in samples.items()
+                   if name == "relay_requests_total"}
+        assert counted == {(("provider", p), ("reason", reason), ("status", s)): float(n)
+                           for (p, s, reason), n in by_label.items()}
+        assert value(samples, "relay_checks_total", provider="fake", reason="ok") == 1
+
+        for provider in ("slow", "fake"):
+            mine = [r for r in requests if r["provider"] == provider]
+            queued = [r["queue_ms"] for r in mine if r["queue_ms"] is not None]
+            ran = [r["run_ms"] for r in mine if r["run_ms"] is not None]
+            assert value(samples, "relay_queue_seconds_count", provider=provider) == len(queued)
+            total = value(samples, "relay_queue_seconds_sum", provider=provider)
+            assert total is not None and abs(total - sum(queued) / 1000) < 1e-6
+            assert value(samples, "relay_run_seconds_count", provider=provider) == len(ran)
+        # Stops: all five were stopped; the two that held a lane have a release lag.
+        assert value(samples, "relay_stops_total", provider="slow",
+                     reason="client_disconnected") == 5
+        held = [r for r in requests if r["provider"] == "slow" and r["released_at"]]
+        assert len(held) == 2
+        assert value(samples, "relay_stop_release_lag_seconds_count", provider="slow") == 2
+        assert (value(samples, "relay_stop_release_lag_seconds_bucket", provider="slow",
+                      le="1.0") == 2)  # released within a second of the stop
+        assert value(samples, "relay_lane_running", provider="slow") == 0
+        assert value(samples, "relay_lane_queued", provider="slow") == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_each_relay_has_its_own_registry(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    async with trio.open_nursery() as nursery:
+        a = await start_relay(nursery, CONFIG, tmp_path / "a")
+        b = await start_relay(nursery, CONFIG, tmp_path / "b")
+        async with httpx.AsyncClient(trust_env=False, timeout=30.0) as client:
+            r = await client.post(f"{a.url}/v1/chat/completions", json=chat("fake/echo"))
+            assert r.status_code == 200
+            await wait_for(lambda: len(records(tmp_path / "a")) == 1)
+            mine, theirs = await scrape(client, a.url), await scrape(client, b.url)
+        ok = {"provider": "fake", "status": "200", "reason": "ok"}
+        assert value(mine, "relay_requests_total", **ok) == 1
+        assert value(theirs, "relay_requests_total", **ok) is None
+        nursery.cancel_scope.cancel()
+    # Nothing went into prometheus_client's process-wide default registry.
+    assert prometheus_client.REGISTRY.get_sample_value("relay_lane_running",
+                                                       {"provider": "fake"}) is None
