@@ -1,29 +1,52 @@
 """The adapter registry: one line per adapter kind (SPEC L4).
 
 A kind's profile travels with its class (``recommended_profile``); adding a kind is one
-file plus one line here. Note: PyPI has an unrelated package also called ``adapters``;
-the two cannot share one environment.
+file plus one line here. A kind's module is imported the first time it is looked up, so
+a relay pays (in start-up time and memory) only for the kinds its config uses.
+
+Note: PyPI has an unrelated package also called ``adapters``; the two cannot share one
+environment.
 """
 
 from __future__ import annotations
 
-from .anthropic import AnthropicAdapter
+import importlib
+from collections.abc import Iterator, Mapping
+
 from .base import Adapter
-from .claude_cli import ClaudeCLIAdapter
-from .codex_cli import CodexCLIAdapter
-from .fake import FakeAdapter
-from .gemini import GeminiAdapter
-from .gemini_cli import GeminiCLIAdapter
-from .openai_compat import OpenAIAdapter
 
 __all__ = ["ADAPTERS", "Adapter"]
 
-ADAPTERS: dict[str, type[Adapter]] = {
-    FakeAdapter.kind: FakeAdapter,
-    OpenAIAdapter.kind: OpenAIAdapter,
-    AnthropicAdapter.kind: AnthropicAdapter,
-    GeminiAdapter.kind: GeminiAdapter,
-    ClaudeCLIAdapter.kind: ClaudeCLIAdapter,
-    CodexCLIAdapter.kind: CodexCLIAdapter,
-    GeminiCLIAdapter.kind: GeminiCLIAdapter,
+_KINDS: dict[str, str] = {
+    "fake": "fake:FakeAdapter",
+    "openai": "openai_compat:OpenAIAdapter",
+    "anthropic": "anthropic:AnthropicAdapter",
+    "gemini": "gemini:GeminiAdapter",
+    "claude-cli": "claude_cli:ClaudeCLIAdapter",
+    "codex-cli": "codex_cli:CodexCLIAdapter",
+    "gemini-cli": "gemini_cli:GeminiCLIAdapter",
 }
+
+
+class _Registry(Mapping[str, type[Adapter]]):
+    def __init__(self, kinds: dict[str, str]) -> None:
+        self._kinds = kinds
+        self._loaded: dict[str, type[Adapter]] = {}
+
+    def __getitem__(self, kind: str) -> type[Adapter]:
+        cls = self._loaded.get(kind)
+        if cls is None:
+            module, _, name = self._kinds[kind].partition(":")
+            cls = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+            assert cls.kind == kind, f"adapter {name} says its kind is {cls.kind!r}"
+            self._loaded[kind] = cls
+        return cls
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._kinds)
+
+    def __len__(self) -> int:
+        return len(self._kinds)
+
+
+ADAPTERS: Mapping[str, type[Adapter]] = _Registry(_KINDS)
