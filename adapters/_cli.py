@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -320,12 +321,20 @@ class WarmPool(Generic[W]):
 
 # --- the adapter ---------------------------------------------------------------------------
 
+# A tool answers whatever a caller asks, and some can run commands: relay's other secrets
+# must not be in its environment (a caller could ask it to print them).
+_CREDENTIAL = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH)", re.IGNORECASE)
+
+
 class CLIAdapter(Adapter):
     """The shared half of the claude, codex and gemini adapters."""
 
     tool: ClassVar[str]            # the command's default name
     package: ClassVar[str]         # its npm package
     login_action: ClassVar[str]    # what to do when it is not logged in
+    # Credentials the tool itself may use; every other credential-looking variable of
+    # relay's environment (other providers' keys, relay's own token) is kept from it.
+    own_credentials: ClassVar[frozenset[str]] = frozenset()
     supported_params = SUPPORTED_PARAMS
 
     def __init__(self, provider: Any) -> None:
@@ -406,9 +415,10 @@ class CLIAdapter(Adapter):
     def environment(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         """relay's environment, relay's defaults for the tool (``extra``, which the
         provider's ``env`` overrides), then the provider's ``env``."""
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items()
+               if k in self.own_credentials or not _CREDENTIAL.search(k)}
         env.update(extra or {})
-        env.update(self.settings.env)
+        env.update(self.settings.env)   # an explicit setting wins: the user chose it
         return env
 
     @property

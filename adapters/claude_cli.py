@@ -208,6 +208,8 @@ class ClaudeCLIAdapter(CLIAdapter):
     Settings = ClaudeSettings
     tool = "claude"
     package = "@anthropic-ai/claude-code"
+    own_credentials = frozenset({"ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN",
+                                 "CLAUDE_CODE_OAUTH_TOKEN"})
     login_action = LOGIN_ACTION
 
     def __init__(self, provider: Any) -> None:

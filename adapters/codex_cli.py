@@ -118,6 +118,7 @@ class CodexCLIAdapter(CLIAdapter):
     Settings = CodexSettings
     tool = "codex"
     package = "@openai/codex"
+    own_credentials = frozenset({"OPENAI_API_KEY", "CODEX_API_KEY"})
     login_action = LOGIN_ACTION
 
     @classmethod

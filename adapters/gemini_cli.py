@@ -132,6 +132,8 @@ class GeminiCLIAdapter(CLIAdapter):
     Settings = GeminiSettings
     tool = "gemini"
     package = "@google/gemini-cli"
+    own_credentials = frozenset({"GEMINI_API_KEY", "GOOGLE_API_KEY",
+                                 "GOOGLE_APPLICATION_CREDENTIALS"})
     login_action = LOGIN_ACTION
 
     @property

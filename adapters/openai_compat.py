@@ -284,7 +284,23 @@ def _usage(raw: dict[str, Any]) -> Usage:
     return Usage(num("prompt_tokens"), num("completion_tokens"), num("total_tokens"))
 
 
+# An error inside a 200 stream carries no HTTP status: the one its type or code stands for.
+_INBAND_STATUS = {
+    "invalid_request_error": 400, "context_length_exceeded": 400,
+    "content_policy_violation": 400, "content_filter": 400,
+    "authentication_error": 401, "invalid_api_key": 401, "permission_error": 403,
+    "not_found_error": 404, "model_not_found": 404,
+    "rate_limit_error": 429, "rate_limit_exceeded": 429, "insufficient_quota": 429,
+}
+
+
 def _inband_error(provider: str, err: Any) -> RelayError:
-    message = err.get("message") if isinstance(err, dict) else str(err)
-    return RelayError("upstream_error", f"provider {provider!r} reported an error inside "
-                      f"the stream: {message}", provider=provider, upstream_message=str(message))
+    """Classify an error event inside a stream like the same error as an answer (a
+    content refusal stays ``rejected``, an auth failure ``auth_required``…)."""
+    fields = err if isinstance(err, dict) else {"message": str(err)}
+    status = fields.get("status") or fields.get("code")
+    if not isinstance(status, int) or isinstance(status, bool):
+        status = next((_INBAND_STATUS[k] for k in (fields.get("code"), fields.get("type"))
+                       if isinstance(k, str) and k in _INBAND_STATUS), 500)
+    return upstream_failure(provider, status, json.dumps({"error": fields}), {},
+                            in_stream=True)

@@ -189,8 +189,8 @@ class AttemptSink:
     async def send(self, event: Any) -> None:
         if self.closed:
             # The attempt was left (timed out, or the request moved on): a late result is
-            # never used. Raising stops the adapter promptly.
-            raise trio.Cancelled._create()  # pragma: no cover - the scope is cancelled too
+            # never used. Its scope is cancelled too; this only makes sure.
+            raise trio.ClosedResourceError("this attempt is over; its results are void")
         if isinstance(event, Delta):
             self.open_choices.add(event.index)
             now = trio.current_time()
@@ -296,8 +296,9 @@ class Dispatcher:
         for target in self.plan.targets:
             call = self._call_for(target, sent)
             if call is None:                 # cannot continue the text already sent
-                logger.info("skipped request=%s target=%s: cannot continue a partly "
-                            "sent answer (prefill off)", self.record.id, target.name)
+                self._skip(target, RelayError(
+                    "unsupported", f"{target.name} cannot continue a partly sent answer "
+                    "(its provider has prefill off)", provider=target.provider.name))
                 continue
             try:
                 target.provider.adapter.check_call(call)
@@ -311,11 +312,13 @@ class Dispatcher:
                         "budget_exhausted", f"route {route.name if route else ''!r} used "
                         f"its whole budget of {budget:g} s before {target.name} could be "
                         "tried", provider=target.provider.name), original)
-                if self.runs:
+                if self.record.attempts:
                     self.record.fallback_triggered |= target.role == "fallback"
                     if attempt_no == 0 and target.role == "fallback":
-                        logger.info("fallback_triggered request=%s from=%s to=%s reason=%s",
-                                    self.record.id, self.runs[-1].target.name, target.name,
+                        previous = self.record.attempts[-1]
+                        logger.info("fallback_triggered request=%s from=%s/%s to=%s "
+                                    "reason=%s", self.record.id, previous.provider,
+                                    previous.model, target.name,
                                     last.reason if last else None)
                 run = await self._attempt(nursery, out, target, call, sent, deadline)
                 if run.error is None:
@@ -462,6 +465,7 @@ class Dispatcher:
         provider = run.target.provider
         ticket = None
         error: RelayError | None = None
+        finished = False  # False at the end: it was stopped (request gone, drain, timeout)
         try:
             with run.scope:
                 async with provider.lane.slot(
@@ -484,6 +488,7 @@ class Dispatcher:
                                          "its answer before it was complete",
                                          provider=provider.name)
                     self._check_response(run)
+                    finished = True
         except RelayError as exc:
             error = exc
         except Exception as exc:
@@ -502,14 +507,17 @@ class Dispatcher:
                     self.record.run_ms = round((self.record.run_ms or 0.0) + (
                         ticket.released_at - ticket.started_at) * 1000, 3)
             if run.error is None:        # the dispatcher has not given up on it
-                run.error = error
-                if error is None and not run.sink.complete:
-                    run.error = RelayError("internal_error", "the attempt ended without "
-                                           "an answer", provider=provider.name)
-                attempt.ok = run.error is None
-                attempt.failure = run.error.reason if run.error else None
-                if run.scope.cancelled_caught and run.error is None:
+                if error is None and not finished:
+                    # Stopped from outside: the client left, or a drain. Not a failure of
+                    # the provider's: the record says "stopped".
+                    run.error = self.stop.error or RelayError(
+                        "shutting_down", "the request was stopped before it finished",
+                        provider=provider.name)
                     attempt.failure = "stopped"
+                else:
+                    run.error = error
+                    attempt.failure = error.reason if error else None
+                attempt.ok = run.error is None
             run.sink.closed = True
             run.finished_at = now
             run.poke()

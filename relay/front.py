@@ -149,6 +149,8 @@ class Guard:
 
     def _refusal(self, scope: Scope, origin: str | None) -> RelayError | None:
         host = _header(scope, b"host")
+        if host is None and self.loopback:
+            return RelayError("bad_host", "a request without a Host header is not accepted")
         if host is not None:
             name = _host_name(host.strip()).lower()
             if not (is_loopback_host(name) or (not self.loopback and name in self.allowed_hosts)):
@@ -188,11 +190,18 @@ class Guard:
                                   status=413)
         return None
 
-    def _record(self, scope: Scope, error: RelayError) -> None:
-        """A chat request refused here still gets its one record (DESIGN invariant 5)."""
+    def _record(self, scope: Scope, error: RelayError | None) -> None:
+        """A chat request refused here (or whose client left while sending its body,
+        ``error`` None) still gets its one record (DESIGN invariant 5)."""
         if scope["path"] in RELAY_ROUTES or scope["path"] == "/relay/v1/fanout":
-            record = Record(id=scope["relay.request_id"], started_at=trio.current_time(),
-                            status=error.status, reason=error.reason, phase=error.phase)
+            now = trio.current_time()
+            if error is None:
+                record = Record(id=scope["relay.request_id"], started_at=now, status=499,
+                                reason="client_disconnected", phase="stop",
+                                stop_requested_at=now)
+            else:
+                record = Record(id=scope["relay.request_id"], started_at=now,
+                                status=error.status, reason=error.reason, phase=error.phase)
             self.relay.records.write(record)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send,
@@ -202,6 +211,7 @@ class Guard:
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
+                    self._record(scope, None)  # gone while sending: still one record
                     return None
                 body += message.get("body", b"")
                 if len(body) > self.max_body:
@@ -254,8 +264,10 @@ class Front:
         dialect = RELAY_ROUTES.get(scope["path"])
         if dialect is not None:
             if scope["method"] != "POST":
-                await send_error(send, RelayError("invalid_request", f"use POST for "
-                                                  f"{scope['path']}", status=405), dialect)
+                wrong = RelayError("invalid_request", f"use POST for {scope['path']}",
+                                   status=405)
+                self.guard._record(scope, wrong)
+                await send_error(send, wrong, dialect)
                 return
             await ChatRequest(self.relay, scope, receive, send, dialect).serve(body)
             return
@@ -263,8 +275,10 @@ class Front:
             from .fanout import FanoutRequest
 
             if scope["method"] != "POST":
-                await send_error(send, RelayError("invalid_request", "use POST for "
-                                                  "/relay/v1/fanout", status=405))
+                wrong = RelayError("invalid_request", "use POST for /relay/v1/fanout",
+                                   status=405)
+                self.guard._record(scope, wrong)
+                await send_error(send, wrong)
                 return
             await FanoutRequest(self.relay, scope, receive, send, OPENAI).serve(body)
             return
@@ -333,9 +347,15 @@ class ChatRequest:
                                f"its log for request {record.id}")
             self.fail(error)
             ended = True
-            if not self.headers_sent:
-                with trio.move_on_after(1.0, shield=True):
+            with trio.move_on_after(1.0, shield=True):
+                if not self.headers_sent:
                     await self.send_error(error)
+                elif not self.answered:
+                    # Headers are out: the failure goes in-band and the stream ends, so the
+                    # client sees an error, not a cut connection it would retry (SPEC A2).
+                    tail = self.dialect.encoder(record.id, 0, False).error(error)
+                    await self.send({"type": "http.response.body", "body": tail,
+                                     "more_body": False})
         finally:
             if not ended and record.reason is None:
                 # Cancelled from outside this request: the server is stopping.

@@ -168,10 +168,13 @@ class Lane:
         try:
             with trio.move_on_at(now + self._profile.queue_timeout_s):
                 while not waiter.granted:
+                    # Woken by a grant, by the pacer's next start, or (the head of the
+                    # queue) to sleep until that start when a slot is free but paced.
+                    event = waiter.event = trio.Event()
                     pacer = self._next_start
                     with trio.move_on_at(pacer if pacer > trio.current_time() else math.inf):
-                        await waiter.event.wait()
-                    if not waiter.granted:
+                        await event.wait()
+                    if not waiter.granted and trio.current_time() >= self._next_start:
                         self._hand_off()  # the pacer allows a start now
         except BaseException:
             # Cancelled from outside (client gone, shutdown) or anything else. Granted in
@@ -201,7 +204,14 @@ class Lane:
         now = trio.current_time()
         while self._borrowed < self._profile.lanes and self._live > 0:
             if now < self._next_start:
-                return  # the waiters wake at the pacer's next start and call this again
+                # A slot is free but the pacer says not yet: make sure the head of the
+                # queue sleeps until the pacer's next start (it may be sleeping without
+                # a deadline), so the free slot is not left idle (SPEC L9).
+                while self._heap and self._heap[0].cancelled:
+                    heapq.heappop(self._heap)
+                if self._heap:
+                    self._heap[0].event.set()
+                return
             waiter = heapq.heappop(self._heap)
             if waiter.cancelled:
                 continue

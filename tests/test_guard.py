@@ -615,3 +615,21 @@ async def test_the_token_may_come_as_x_api_key(nursery: trio.Nursery, tmp_path: 
     bad = await client.post(served.url + CHAT, json=chat("fake/echo"),
                             headers={"x-api-key": "nope"})
     refused(bad, 401, "unauthorized")
+
+
+async def test_a_request_without_host_is_refused_on_loopback(nursery: trio.Nursery,
+                                                             tmp_path: Path) -> None:
+    served = await start_relay(nursery, FAKE_ONLY, tmp_path)
+    stream = await trio.open_tcp_stream("127.0.0.1", port_of(served))
+    body = json.dumps(chat("fake/echo")).encode()
+    await stream.send_all(b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: "
+                          b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                          + b"\r\n\r\n" + body)
+    seen = b""
+    with trio.fail_after(5):
+        while chunk := await stream.receive_some(65536):
+            seen += chunk
+    await stream.aclose()
+    assert seen.startswith(b"HTTP/1.0 403") or seen.startswith(b"HTTP/1.1 403"), seen[:100]
+    assert b'"bad_host"' in seen
+    untouched(served)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import trio
 import trio.lowlevel
@@ -222,3 +224,33 @@ async def test_retry_after_is_estimated_from_recent_run_times(
     seconds = int(info.value.message.split("Retry in about ")[1].split(" s")[0])
     assert 110 <= seconds <= 125
     release.set()
+
+
+async def test_a_paced_free_slot_is_not_left_idle(nursery: trio.Nursery,
+                                                  autojump_clock: trio.abc.Clock) -> None:
+    # Found in review: a waiter that began waiting after the pacer's last start time had
+    # passed slept without a deadline; when a slot then freed while the pacer held starts
+    # back, nobody woke it at the pacer's next start, and the slot sat idle.
+    ln = lane(lanes=2, rpm=6.0, queue_timeout_s=100)   # one start per 10 s
+    release_a, release_b, release_c = trio.Event(), trio.Event(), trio.Event()
+    t0 = trio.current_time()
+    await nursery.start(hold, ln, release_a)           # starts at 0
+    await trio.sleep(10)
+    await nursery.start(hold, ln, release_b)           # starts at 10: both slots busy
+    await trio.sleep(11)                               # t = 21: the pacer would allow one
+    started: list[float] = []
+
+    async def waiter() -> None:
+        async with ln.slot("normal"):
+            started.append(trio.current_time() - t0)
+
+    nursery.start_soon(waiter)                         # waits (no slot), no pacer deadline
+    await trio.testing.wait_all_tasks_blocked()
+    nursery.start_soon(functools.partial(hold, ln, release_c, priority="interactive"))
+    await trio.testing.wait_all_tasks_blocked()
+    release_a.set()                                    # t = 21: the interactive one starts
+    await trio.sleep(1)
+    release_b.set()                                    # t = 22: a slot frees; pacer: at 31
+    await trio.sleep(20)
+    assert started == [31.0]                           # not left idle until someone leaves
+    release_c.set()

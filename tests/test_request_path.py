@@ -144,6 +144,7 @@ async def test_a_queued_client_that_leaves_never_reaches_the_provider(
     assert fake.started == 1            # the second never reached the provider
     rec = next(r for r in relay_.records.recent if r["status"] == 499)
     assert rec["reason"] == "client_disconnected" and rec["attempts"][0]["ok"] is False
+    assert rec["attempts"][0]["failure"] == "stopped"     # not the provider's failure
 
 
 async def test_a_full_queue_stays_a_real_429(nursery: trio.Nursery, relay_: Relay,
@@ -227,3 +228,6 @@ async def test_drain_lets_short_work_finish_and_stops_the_rest(
     assert late.status == 503
     by_reason = sorted(str(r["reason"]) for r in relay_.records.recent)
     assert by_reason.count("shutting_down") == 3
+    stopped = [a["failure"] for r in relay_.records.recent for a in r["attempts"]
+               if r["reason"] == "shutting_down"]
+    assert stopped == ["stopped", "stopped"]   # the third never reached an attempt

@@ -563,3 +563,17 @@ async def test_a_json_answer_that_is_not_json_is_a_failure_not_a_success(
         "up/m1", response_format={"type": "json_object"}))
     assert r.status_code == 502
     assert r.json()["error"]["code"] == "bad_upstream_response"
+
+
+def test_an_error_inside_the_stream_keeps_its_class() -> None:
+    # Found in review: an in-stream error was always upstream_error, so a refusal could be
+    # retried or fall back (SPEC F2 forbids it).
+    from adapters.openai_compat import _inband_error
+
+    refusal = _inband_error("up", {"message": "no", "type": "invalid_request_error",
+                                   "code": "content_policy_violation"})
+    assert refusal.reason == "rejected" and refusal.status == 400
+    assert refusal.upstream_message == "no"
+    limited = _inband_error("up", {"message": "slow", "type": "rate_limit_error"})
+    assert limited.reason == "rate_limited"
+    assert _inband_error("up", {"message": "?"}).reason == "upstream_error"
