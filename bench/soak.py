@@ -42,6 +42,7 @@ import relay  # noqa: E402
 CONFIG = """
 [server]
 records = "{records}"
+records_max_bytes = 1073741824   # one file: every record is counted at the end
 heartbeat_s = 1
 write_timeout_s = 2
 [providers.fake]
