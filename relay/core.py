@@ -106,7 +106,9 @@ class Relay:
         self.records = records
         self.clock = records.clock
         self.nursery = nursery
-        self._retire: dict[int, trio.Event] = {}
+        self._holders: dict[int, trio.Event] = {}   # adapter → what closes it
+        self._uses: dict[int, int] = {}             # adapter → attempts running on it
+        self._retiring: dict[int, trio.Event] = {}  # replaced, closed when unused
         self.draining = False
         self.in_flight: set[RequestStop] = set()
         self.idle = trio.Event()  # set whenever no request is in flight
@@ -137,17 +139,28 @@ class Relay:
         adapter = ADAPTERS[config.adapter](config)
         retire = trio.Event()
         await self.nursery.start(_hold_adapter, adapter, retire)
-        self._retire[id(adapter)] = retire
+        self._holders[id(adapter)] = retire
         return adapter
 
-    def _retire_when_idle(self, adapter: Adapter, lane: Lane) -> None:
-        retire = self._retire.pop(id(adapter))
+    # An adapter replaced by a reload is closed once its last running attempt has ended
+    # (not when its lane is idle, which under steady load may never happen).
+    def adapter_enter(self, adapter: Adapter) -> None:
+        self._uses[id(adapter)] = self._uses.get(id(adapter), 0) + 1
 
-        async def retire_after_last_request() -> None:
-            await lane.wait_idle()   # a removed provider's running requests finish first
+    def adapter_exit(self, adapter: Adapter) -> None:
+        left = self._uses[id(adapter)] = self._uses[id(adapter)] - 1
+        if left == 0:
+            del self._uses[id(adapter)]
+            retire = self._retiring.pop(id(adapter), None)
+            if retire is not None:
+                retire.set()
+
+    def _retire(self, adapter: Adapter) -> None:
+        retire = self._holders.pop(id(adapter))
+        if self._uses.get(id(adapter), 0) == 0:
             retire.set()
-
-        self.nursery.start_soon(retire_after_last_request)
+        else:
+            self._retiring[id(adapter)] = retire
 
     # --- reload (SPEC L10) --------------------------------------------------------------------
     async def reload(self, config: Config | None = None) -> list[str]:
@@ -155,6 +168,9 @@ class Relay:
         running work (waiting requests keep their order), providers come and go (a removed
         one's running requests finish), routes are replaced. Without ``config`` the file
         the current one came from is read again.
+
+        New adapters are opened first; only then is anything changed, in one synchronous
+        step, so a reload is applied whole or not at all.
 
         Returns:
             what changed, one line each.
@@ -166,54 +182,74 @@ class Relay:
             if config is None:
                 config = load_config(self.config.source,
                                      server_overrides=self.config.server_overrides)
-            changes: list[str] = []
-            providers: dict[str, Provider] = {}
-            for name, pconf in config.providers.items():
-                current = self.providers.get(name)
-                if current is None:
-                    providers[name] = await self.open_provider(pconf)
-                    changes.append(f"provider {name}: added")
-                    self.nursery.start_soon(_discover, providers[name])
-                    continue
-                old = current.config
-                if (old.adapter, old.settings) != (pconf.adapter, pconf.settings):
-                    retired = current.adapter
-                    current.adapter = await self._open_adapter(pconf)
-                    self._retire_when_idle(retired, current.lane)
-                    changes.append(f"provider {name}: adapter settings changed (requests "
-                                   "running on the old settings finish on them)")
-                if old.profile != pconf.profile:
-                    a, b = old.profile, pconf.profile
-                    changes.append(f"provider {name}: profile changed (lanes {a.lanes}→"
-                                   f"{b.lanes}, queue_max {a.queue_max}→{b.queue_max}, "
-                                   f"queue_timeout_s {a.queue_timeout_s:g}→"
-                                   f"{b.queue_timeout_s:g}, run_timeout_s {a.run_timeout_s:g}→"
-                                   f"{b.run_timeout_s:g}, rpm {a.rpm:g}→{b.rpm:g})")
-                    current.lane.update_profile(pconf.profile)
-                if pconf.models_configured:
-                    current.models = list(pconf.models)
-                current.config = pconf
-                providers[name] = current
-            for name, gone in self.providers.items():
-                if name not in providers:
-                    self._retire_when_idle(gone.adapter, gone.lane)
-                    changes.append(f"provider {name}: removed (its running requests finish)")
-            if dict(config.routes) != dict(self.config.routes):
-                changes.append(f"routes: {', '.join(config.routes) or '(none)'}")
-            old_server, new_server = self.config.server, config.server
-            for key in ("host", "port", "records", "records_max_bytes", "records_keep"):
-                if getattr(old_server, key) != getattr(new_server, key):
-                    changes.append(f"[server] {key}: takes effect at the next restart")
-            if old_server != new_server:
-                changes.append("[server]: the other settings apply to new requests")
-            self.providers = providers
-            self.config = config
-            self.app.configure()
-            self.reloaded.set()
-            self.reloaded = trio.Event()
+            # 1. Open what the new config needs (the only awaits), shielded and bounded:
+            # a client that leaves mid-reload must not leave it half done.
+            fresh: dict[str, Adapter] = {}
+            try:
+                with trio.CancelScope(shield=True), trio.fail_after(30):
+                    for name, pconf in config.providers.items():
+                        current = self.providers.get(name)
+                        if current is None or _needs_new_adapter(current.config, pconf):
+                            fresh[name] = await self._open_adapter(pconf)
+            except BaseException:
+                for adapter in fresh.values():
+                    self._retire(adapter)
+                raise
+            # 2. Apply it all at once.
+            changes = self._apply(config, fresh)
             logger.info("config reloaded from %s: %s", config.source,
                         "; ".join(changes) or "no changes")
             return changes
+
+    def _apply(self, config: Config, fresh: dict[str, Adapter]) -> list[str]:
+        changes: list[str] = []
+        providers: dict[str, Provider] = {}
+        for name, pconf in config.providers.items():
+            current = self.providers.get(name)
+            if current is None:
+                lane = Lane(name, pconf.profile,
+                            expected_run_s=type(fresh[name]).typical_call_s(pconf.settings))
+                providers[name] = Provider(config=pconf, adapter=fresh[name], lane=lane,
+                                           models=list(pconf.models))
+                changes.append(f"provider {name}: added")
+                self.nursery.start_soon(_discover, providers[name])
+                continue
+            old = current.config
+            if name in fresh:
+                self._retire(current.adapter)
+                current.adapter = fresh[name]
+                changes.append(f"provider {name}: adapter reopened with the new settings "
+                               "(requests running on the old one finish on it)")
+            if old.profile != pconf.profile:
+                a, b = old.profile, pconf.profile
+                changes.append(f"provider {name}: profile changed (lanes {a.lanes}→"
+                               f"{b.lanes}, queue_max {a.queue_max}→{b.queue_max}, "
+                               f"queue_timeout_s {a.queue_timeout_s:g}→"
+                               f"{b.queue_timeout_s:g}, run_timeout_s {a.run_timeout_s:g}→"
+                               f"{b.run_timeout_s:g}, rpm {a.rpm:g}→{b.rpm:g})")
+                current.lane.update_profile(pconf.profile)
+            if pconf.models_configured:
+                current.models = list(pconf.models)
+            current.config = pconf
+            providers[name] = current
+        for name, gone in self.providers.items():
+            if name not in providers:
+                self._retire(gone.adapter)
+                changes.append(f"provider {name}: removed (its running requests finish)")
+        if dict(config.routes) != dict(self.config.routes):
+            changes.append(f"routes: {', '.join(config.routes) or '(none)'}")
+        old_server, new_server = self.config.server, config.server
+        for key in ("host", "port", "records", "records_max_bytes", "records_keep"):
+            if getattr(old_server, key) != getattr(new_server, key):
+                changes.append(f"[server] {key}: takes effect at the next restart")
+        if old_server != new_server:
+            changes.append("[server]: the other settings apply to new requests")
+        self.providers = providers
+        self.config = config
+        self.app.configure()
+        self.reloaded.set()
+        self.reloaded = trio.Event()
+        return changes
 
     # --- model names ----------------------------------------------------------------------
     def resolve(self, model: str) -> tuple[Provider, str]:
@@ -304,6 +340,13 @@ async def open_relay(config: Config, *, discover: bool = True) -> AsyncIterator[
                 nursery.cancel_scope.cancel()
     finally:
         records.close()
+
+
+def _needs_new_adapter(old: ProviderConfig, new: ProviderConfig) -> bool:
+    """Adapters size what they hold (pools, warm processes) and their stop grace from the
+    profile: a change there, as in the settings, needs a new adapter."""
+    return ((old.adapter, old.settings, old.profile.lanes, old.profile.interrupt_grace_s)
+            != (new.adapter, new.settings, new.profile.lanes, new.profile.interrupt_grace_s))
 
 
 async def _hold_adapter(adapter: Adapter, retire: trio.Event,

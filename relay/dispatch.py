@@ -478,8 +478,13 @@ class Dispatcher:
                     run_s = provider.config.profile.run_timeout_s
                     run.run_deadline = run.running_since + run_s
                     run.poke()
-                    with trio.move_on_at(run.run_deadline) as run_scope:
-                        await provider.adapter.run(run.call, run.sink)
+                    adapter = provider.adapter   # a reload may replace it: this one runs
+                    self.relay.adapter_enter(adapter)
+                    try:
+                        with trio.move_on_at(run.run_deadline) as run_scope:
+                            await adapter.run(run.call, run.sink)
+                    finally:
+                        self.relay.adapter_exit(adapter)
                     if run_scope.cancelled_caught:
                         run.stopped_at = run.run_deadline
                         raise self._timeout(run, "run_timeout", None, math.inf)

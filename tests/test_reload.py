@@ -124,3 +124,34 @@ async def test_providers_come_and_go(nursery: trio.Nursery, tmp_path: Path,
     assert result["r"].json()["choices"][0]["message"]["content"] == "still"
     status = (await client.get(f"{served.url}/relay/v1/status")).json()["providers"]
     assert set(status) == {"fake", "third"}
+
+
+async def test_a_replaced_adapter_closes_when_its_last_attempt_ends(
+        nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient) -> None:
+    # Found in review: a replaced adapter used to wait for its lane to be idle, which
+    # under steady load never happens (old pools and warm processes piled up).
+    path = tmp_path / "relay.toml"
+    path.write_text(BASE.format(lanes=2))
+    served = await start(nursery, path)
+    url = f"{served.url}/v1/chat/completions"
+    old = served.relay.providers["fake"].adapter
+    answers: dict[str, str] = {}
+
+    async def call(name: str, model: str) -> None:
+        r = await client.post(url, json=chat(model, "old words"))
+        answers[name] = r.json()["choices"][0]["message"]["content"]
+
+    nursery.start_soon(call, "a", "fake/echo?delay_s=0.5")
+    await wait_for(lambda: stats(served)[0] == 1)
+    path.write_text(BASE.format(lanes=3).replace('models = ["echo"]',
+                                                 'models = ["echo"]\nreply = "new words"'))
+    changes = (await reload(client, served)).json()["changes"]
+    assert any("adapter reopened" in c for c in changes)
+    assert id(old) in served.relay._retiring                  # still used by "a"
+    nursery.start_soon(call, "b", "fake/echo?delay_s=2")     # keeps the lane busy
+    await wait_for(lambda: "a" in answers)
+    assert answers["a"] == "old words"                        # finished on the old one
+    await wait_for(lambda: id(old) not in served.relay._retiring)
+    assert stats(served)[0] == 1                              # closed while the lane is busy
+    await wait_for(lambda: "b" in answers)
+    assert answers["b"] == "new words"
