@@ -307,7 +307,8 @@ class Relay:
         # Their stop paths are bounded (interrupt grace, then a kill); wait for them.
         grace = max((p.config.profile.interrupt_grace_s for p in self.providers.values()),
                     default=0.0)
-        with trio.move_on_after(grace + 2.0):
+        # (+5 s: a CLI tool's kill and reap after its grace.)
+        with trio.move_on_after(grace + 5.0):
             await self.idle.wait()
 
 

@@ -312,6 +312,7 @@ class ChatRequest:
         self.record = Record(id=scope["relay.request_id"], started_at=now)
         self.headers_sent = False
         self.client_gone = False
+        self.request_scope = trio.CancelScope()  # the request's nursery's, once it runs
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.body" and not message.get("more_body"):
@@ -409,6 +410,7 @@ class ChatRequest:
         try:
             async with trio.open_nursery() as nursery:
                 watcher = trio.CancelScope()
+                self.request_scope = nursery.cancel_scope
                 nursery.start_soon(self._watch_disconnect, nursery.cancel_scope, watcher)
                 nursery.start_soon(dispatcher.run, nursery, out)
                 async with events:
@@ -428,6 +430,13 @@ class ChatRequest:
                 record.stop_requested_at = timeouts[0].stopped_at
         if self.client_gone:
             record.status, record.reason, record.phase = 499, "client_disconnected", "stop"
+
+    def drop_client(self) -> None:
+        """The client takes nothing: stop the request as if it had left."""
+        self.client_gone = True
+        if self.record.stop_requested_at is None:
+            self.record.stop_requested_at = trio.current_time()
+        self.request_scope.cancel()
 
     async def _watch_disconnect(self, request_scope: trio.CancelScope,
                                 watcher: trio.CancelScope) -> None:

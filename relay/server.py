@@ -86,8 +86,8 @@ async def serve_http(
     cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     cfg.accesslog = None
     cfg.read_timeout = None  # it runs while a response streams and would cut it
-    # relay's drain must end before hypercorn's own grace does (DESIGN).
-    cfg.graceful_timeout = server.drain_grace_s + 30.0
+    # (hypercorn's graceful_timeout is not used: relay runs its own accept loop and its
+    # own drain, `Relay.drain`, then cancels what is left.)
     app = wrap_app(relay.app, cfg.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
     sockets = cfg.create_sockets()
     listeners = []

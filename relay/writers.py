@@ -178,6 +178,7 @@ class StreamWriter(_Writer):
     def __init__(self, request: ChatRequest, model: str) -> None:
         super().__init__(request, model)
         self.heartbeat_s = request.server.heartbeat_s
+        self.write_timeout_s = request.server.write_timeout_s
         self.last_write = trio.current_time()
         self.queued_at: float | None = None
         self.queued_on: Any = None  # the provider whose queue we wait in
@@ -193,8 +194,16 @@ class StreamWriter(_Writer):
                 (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
 
     async def _write(self, data: bytes, *, more: bool = True) -> None:
-        await self._start()
-        await self.send({"type": "http.response.body", "body": data, "more_body": more})
+        # The server layer bounds each socket write (write_timeout_s); this bound is for
+        # what it cannot see, e.g. an HTTP/2 stream waiting on flow control: a reader that
+        # takes nothing for longer is dropped like one that left (SPEC C3).
+        with trio.move_on_after(self.write_timeout_s + 1.0) as bounded:
+            await self._start()
+            await self.send({"type": "http.response.body", "body": data,
+                             "more_body": more})
+        if bounded.cancelled_caught:
+            self.request.drop_client()
+            await trio.lowlevel.checkpoint()   # the request's scope is cancelled: stop here
         self.last_write = trio.current_time()
 
     def _waiting_notice(self) -> bytes:
