@@ -27,6 +27,7 @@ from typing import Any, ClassVar, NamedTuple
 from relay.config import Profile, ProviderConfig
 from relay.errors import RelayError
 from relay.events import Call, EventSink
+from relay.http import AsyncClient, make_client
 
 __all__ = ["AUTH_REASONS", "CONTEXT_PHRASES", "QUOTA_PHRASES", "Adapter", "parse_retry_after",
            "upstream_failure"]
@@ -106,6 +107,32 @@ class Adapter:
     async def models(self) -> list[str]:
         """Discover the provider's models (may raise `RelayError`)."""
         return list(self.provider.models)
+
+
+class HTTPAdapter(Adapter):
+    """An adapter that talks HTTP: one pooled client for its life, sized by its lanes,
+    and a key from the environment (``key_env``; ``key_missing`` when it is unset)."""
+
+    _client: AsyncClient
+    key_env: str | None = None
+    key_missing: bool = False
+
+    async def __aenter__(self) -> HTTPAdapter:
+        self._client = make_client(self.settings,
+                                   max_connections=max(4, self.provider.profile.lanes * 2))
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self._client.aclose()
+
+    def refuse_without_key(self) -> None:
+        """An unset key is refused before anything is sent (``auth_required``)."""
+        if self.key_missing:
+            action = f"set the environment variable {self.key_env} to the provider's API key"
+            raise RelayError("auth_required", f"provider {self.name!r} needs an API key: "
+                             f"{action}, then restart relay", provider=self.name,
+                             action=action)
 
 
 def parse_retry_after(headers: Mapping[str, str]) -> float | None:

@@ -19,15 +19,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Awaitable, Callable
-from types import TracebackType
 from typing import Any, ClassVar
 
 import trio
 
 from relay.errors import RelayError
-from relay.http import AsyncClient, make_client, transport_errors
+from relay.http import transport_errors
 
-from .base import Adapter, upstream_failure
+from .base import HTTPAdapter, upstream_failure
 
 __all__ = ["DRAIN_AFTER_FINAL_S", "CloudAdapter", "SSEDecoder", "data_url", "json_args", "obj",
            "stop_sequences", "tool_calls"]
@@ -142,18 +141,16 @@ def stop_sequences(stop: Any) -> list[str]:
                      param="stop")
 
 
-class CloudAdapter(Adapter):
+class CloudAdapter(HTTPAdapter):
     """An HTTP adapter whose provider takes a key from the environment."""
 
     default_base_url: ClassVar[str]
     default_key_env: ClassVar[str]
 
-    _client: AsyncClient
-
     def __init__(self, provider: Any) -> None:
         super().__init__(provider)
         self.base_url = (self.settings.base_url or self.default_base_url).rstrip("/")
-        self.key_env: str = self.settings.api_key_env or self.default_key_env
+        self.key_env = self.settings.api_key_env or self.default_key_env
         key = os.environ.get(self.key_env) or ""
         self.headers: dict[str, str] = {"user-agent": "relay", **self.key_headers(key)}
         self.headers.update(self.settings.headers)
@@ -177,23 +174,7 @@ class CloudAdapter(Adapter):
             return [("base_url", f"must start with http:// or https://: {url!r}")]
         return []
 
-    # --- an instance's life -----------------------------------------------------------------
-    async def __aenter__(self) -> CloudAdapter:
-        self._client = make_client(self.settings,
-                                   max_connections=max(4, self.provider.profile.lanes * 2))
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
-        await self._client.aclose()
-
-    def refuse_without_key(self) -> None:
-        if self.key_missing:
-            action = f"set the environment variable {self.key_env} to the provider's API key"
-            raise RelayError("auth_required", f"provider {self.name!r} needs an API key: "
-                             f"{action}, then restart relay", provider=self.name,
-                             action=action)
-
+    # --- an instance's life: HTTPAdapter's ------------------------------------------------
     def failure(self, status: int, text: str, headers: Any) -> RelayError:
         return upstream_failure(self.name, status, text, headers, key_hint=self.key_env)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-from types import TracebackType
 from typing import Any
 
 import attrs
@@ -27,9 +26,9 @@ import trio
 from relay.config import Profile
 from relay.errors import RelayError
 from relay.events import Call, Delta, EventSink, Finish, Skipped, Usage
-from relay.http import AsyncClient, HTTPSettings, make_client, transport_errors
+from relay.http import HTTPSettings, transport_errors
 
-from .base import Adapter, upstream_failure
+from .base import HTTPAdapter, upstream_failure
 
 DRAIN_AFTER_DONE_S = 1.0  # after [DONE], how long the end of the body may take
 
@@ -72,12 +71,10 @@ class OpenAISettings(HTTPSettings):
     preset: str | None = None
 
 
-class OpenAIAdapter(Adapter):
+class OpenAIAdapter(HTTPAdapter):
     kind = "openai"
     Settings = OpenAISettings
     prefill = False
-
-    _client: AsyncClient
 
     def __init__(self, provider: Any) -> None:
         super().__init__(provider)
@@ -134,26 +131,10 @@ class OpenAIAdapter(Adapter):
             problems.append(("base_url", f"must start with http:// or https://: {url!r}"))
         return problems
 
-    async def __aenter__(self) -> OpenAIAdapter:
-        self._client = make_client(self.settings,
-                                   max_connections=max(4, self.provider.profile.lanes * 2))
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
-        await self._client.aclose()
-
-    def _refuse_without_key(self) -> None:
-        if self.key_missing:
-            action = f"set the environment variable {self.key_env} to the provider's API key"
-            raise RelayError("auth_required", f"provider {self.name!r} needs an API key: "
-                             f"{action}, then restart relay", provider=self.name,
-                             action=action)
-
     async def models(self) -> list[str]:
         if self.provider.models_configured:
             return list(self.provider.models)
-        self._refuse_without_key()
+        self.refuse_without_key()
         with transport_errors(self.name, "model list"):
             async with self._client.stream("GET", f"{self.base_url}/models",
                                            headers=self.headers) as resp:
@@ -169,7 +150,7 @@ class OpenAIAdapter(Adapter):
                              provider=self.name) from exc
 
     async def run(self, call: Call, events: EventSink) -> None:
-        self._refuse_without_key()
+        self.refuse_without_key()
         body = {**call.params, "model": call.model, "messages": call.messages,
                 "stream": call.stream}
         if call.stream:  # ask for usage always: the record wants it

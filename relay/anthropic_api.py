@@ -34,12 +34,13 @@ from typing import Any
 
 from .errors import RelayError
 from .events import Delta, Finish, Usage
+from .openai_api import INT_MAX, load_request
+from .openai_api import bad_request as _bad
 from .writers import Answer, ChatInput, dumps
 
 __all__ = ["ANTHROPIC", "STOP_REASONS", "AnthropicDialect", "AnthropicStream",
            "parse_messages_body"]
 
-INT_MAX = 2**31 - 1
 
 # relay's finish_reason → Anthropic's stop_reason.
 STOP_REASONS: dict[str, str] = {
@@ -64,10 +65,6 @@ _TOOL_CHOICE: dict[str, Any] = {"auto": "auto", "any": "required", "none": "none
 # The fields this dialect reads itself; everything else passes through.
 _OWN = {"model", "messages", "max_tokens", "system", "stream", "stop_sequences",
         "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata", "fallbacks"}
-
-
-def _bad(message: str, param: str | None = None) -> RelayError:
-    return RelayError("invalid_request", message, param=param)
 
 
 def _number(data: dict[str, Any], key: str, *, whole: bool = False) -> None:
@@ -246,18 +243,7 @@ def parse_messages_body(body: bytes) -> ChatInput:
         RelayError: ``invalid_request`` naming the field; ``unsupported`` for blocks
             relay cannot translate.
     """
-    try:
-        data = json.loads(body)
-    except RecursionError as exc:
-        raise _bad("the JSON body is nested too deeply") from exc
-    except ValueError as exc:
-        raise _bad(f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise _bad("the body must be a JSON object")
-    model = data.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise _bad("'model' is required: a route name, PROVIDER/MODEL, or a model name",
-                   "model")
+    data = load_request(body)
     max_tokens = data.get("max_tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or \
             not 1 <= max_tokens <= INT_MAX:
@@ -309,7 +295,7 @@ def parse_messages_body(body: bytes) -> ChatInput:
         if isinstance(metadata.get("user_id"), str):
             params["user"] = metadata["user_id"]
     params.update({k: v for k, v in data.items() if k not in _OWN})
-    return ChatInput(model=model, messages=messages, stream=bool(data.get("stream")),
+    return ChatInput(model=data["model"], messages=messages, stream=bool(data.get("stream")),
                      params=params, fallbacks=data.get("fallbacks"), include_usage=True)
 
 

@@ -16,16 +16,37 @@ from .errors import RelayError
 from .events import Delta, Finish, Usage
 from .writers import Answer, ChatInput, dumps
 
-__all__ = ["OPENAI", "OpenAIDialect", "parse_chat_body"]
+__all__ = ["INT_MAX", "OPENAI", "OpenAIDialect", "bad_request", "load_request", "parse_chat_body"]
 
 INT_MAX = 2**31 - 1
 
 
-def _bad(message: str, param: str | None = None) -> RelayError:
+def bad_request(message: str, param: str | None = None) -> RelayError:
     return RelayError("invalid_request", message, param=param)
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+def load_request(body: bytes) -> dict[str, Any]:
+    """A request body as a JSON object naming a ``model`` (every dialect starts here).
+
+    Raises:
+        RelayError: ``invalid_request``.
+    """
+    try:
+        data = json.loads(body)
+    except RecursionError as exc:
+        raise bad_request("the JSON body is nested too deeply") from exc
+    except ValueError as exc:  # includes invalid UTF-8
+        raise bad_request(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    model = data.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise bad_request("'model' is required: a route name, PROVIDER/MODEL, or a model name",
+                   "model")
+    return data
 
 
 def parse_chat_body(body: bytes) -> dict[str, Any]:
@@ -34,48 +55,37 @@ def parse_chat_body(body: bytes) -> dict[str, Any]:
     Raises:
         RelayError: ``invalid_request`` naming the field.
     """
-    try:
-        data = json.loads(body)
-    except RecursionError as exc:
-        raise _bad("the JSON body is nested too deeply") from exc
-    except ValueError as exc:  # includes invalid UTF-8
-        raise _bad(f"the body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise _bad("the body must be a JSON object")
-    model = data.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise _bad("'model' is required: a route name, PROVIDER/MODEL, or a model name",
-                   "model")
+    data = load_request(body)
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty list of messages", "messages")
+        raise bad_request("'messages' must be a non-empty list of messages", "messages")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise _bad(f"messages[{i}] must be an object", "messages")
+            raise bad_request(f"messages[{i}] must be an object", "messages")
         role = message.get("role")
         if not isinstance(role, str) or role not in _ROLES:
-            raise _bad(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}",
+            raise bad_request(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}",
                        "messages")
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
-            raise _bad(f"messages[{i}].content must be a string or a list of parts",
+            raise bad_request(f"messages[{i}].content must be a string or a list of parts",
                        "messages")
         for j, part in enumerate(content if isinstance(content, list) else ()):
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise _bad(f"messages[{i}].content[{j}] must be an object with a 'type'",
+                raise bad_request(f"messages[{i}].content[{j}] must be an object with a 'type'",
                            "messages")
             if part["type"] == "text" and not isinstance(part.get("text"), str):
-                raise _bad(f"messages[{i}].content[{j}].text must be a string", "messages")
+                raise bad_request(f"messages[{i}].content[{j}].text must be a string", "messages")
     if not isinstance(data.get("stream", False), bool):
-        raise _bad("'stream' must be true or false", "stream")
+        raise bad_request("'stream' must be true or false", "stream")
     for key in ("max_tokens", "max_completion_tokens", "n"):
         value = data.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or not 1 <= value <= INT_MAX):
-            raise _bad(f"'{key}' must be a whole number from 1 to {INT_MAX}", key)
+            raise bad_request(f"'{key}' must be a whole number from 1 to {INT_MAX}", key)
     options = data.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise _bad("'stream_options' must be an object", "stream_options")
+        raise bad_request("'stream_options' must be an object", "stream_options")
     return data
 
 
