@@ -289,7 +289,7 @@ class Dispatcher:
                        out: trio.MemorySendChannel[Any]) -> RelayError | None:
         route = self.plan.route
         budget = route.total_budget_s() if route else None
-        deadline = self.record_start() + budget if budget is not None else math.inf
+        deadline = self.record.started_at + budget if budget is not None else math.inf
         original: RelayError | None = None   # the failure that broke a streamed answer
         last: RelayError | None = None
         sent = Delivered()                   # what has reached the client so far
@@ -340,9 +340,6 @@ class Dispatcher:
                 break
         return self._final(last, original)
 
-    def record_start(self) -> float:
-        return self.record.started_at
-
     def _call_for(self, target: Target, sent: Delivered) -> Call | None:
         """The call for ``target``: the request as sent, or — when part of a streamed
         answer has reached the client — continued from it, if the provider can."""
@@ -373,11 +370,7 @@ class Dispatcher:
         if len(tried) > 1:
             summary = "; ".join(f"{a.role} {a.provider}/{a.model}: {a.failure or 'ok'}"
                                 for a in tried)
-            error = RelayError(error.reason, f"{error.message} (attempts: {summary})",
-                               status=error.status, provider=error.provider,
-                               retry_after_s=error.retry_after_s, action=error.action,
-                               upstream_status=error.upstream_status,
-                               upstream_message=error.upstream_message, param=error.param)
+            error = error.with_message(f"{error.message} (attempts: {summary})")
         return error
 
     async def _attempt(self, nursery: trio.Nursery, out: trio.MemorySendChannel[Any],

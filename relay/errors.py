@@ -131,6 +131,13 @@ class RelayError(Exception):
     def __repr__(self) -> str:
         return f"RelayError({self.reason!r}, {self.message!r})"
 
+    def with_message(self, message: str) -> RelayError:
+        """The same failure, told differently (e.g. with the attempts that led to it)."""
+        return RelayError(self.reason, message, status=self.status, provider=self.provider,
+                          retry_after_s=self.retry_after_s, action=self.action,
+                          upstream_status=self.upstream_status,
+                          upstream_message=self.upstream_message, param=self.param)
+
     def body(self) -> dict[str, Any]:
         """The OpenAI-shaped error body (SPEC E1); ``upstream_message`` is never cut."""
         return {
