@@ -30,6 +30,7 @@ tools off or read-only, unless the provider sets ``agent_tools = true``.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import re
@@ -411,6 +412,16 @@ class CLIAdapter(Adapter):
             raise RelayError("unsupported", f"provider {self.name!r} answers with one "
                              "choice only; 'n' must be 1", provider=self.name, param="n")
         render(call.messages, self.name)
+
+    def system_file(self, system: str | None) -> Path | None:
+        """The system prompt as a file of relay's own (tools take it by path), named by
+        its hash so one prompt is written once."""
+        if system is None:
+            return None
+        path = self.private / f"system-{hashlib.sha256(system.encode()).hexdigest()[:24]}.md"
+        if not path.exists():
+            path.write_text(system, encoding="utf-8")
+        return path
 
     def environment(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         """relay's environment, relay's defaults for the tool (``extra``, which the

@@ -38,7 +38,7 @@ import attrs
 from relay.config import Profile
 from relay.errors import RelayError
 from relay.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
-from relay.http import HTTPSettings, transport_errors
+from relay.http import HTTPSettings
 
 from .base import upstream_failure
 from .cloud import CloudAdapter, data_url, obj, stop_sequences, tool_calls
@@ -458,17 +458,9 @@ class AnthropicAdapter(CloudAdapter):
         self.refuse_without_key()
         body, strip = messages_request(call, self.settings.max_tokens)
         reader = MessageReader(self.name, strip)
-        with transport_errors(self.name):
-            async with self._client.stream("POST", f"{self.base_url}/messages", json=body,
-                                           headers=self.headers) as resp:
-                if resp.status_code != 200:
-                    text = (await resp.aread()).decode("utf-8", "replace")
-                    raise self.failure(resp.status_code, text, resp.headers)
-                if call.stream:
-                    await self._read_stream(resp, reader, events)
-                else:
-                    text = (await resp.aread()).decode("utf-8", "replace")
-                    await self._emit_whole(text, reader, events)
+        await self.post(f"{self.base_url}/messages", body, stream=call.stream,
+                        read_stream=lambda resp: self._read_stream(resp, reader, events),
+                        read_whole=lambda text: self._emit_whole(text, reader, events))
 
     async def _read_stream(self, resp: Any, reader: MessageReader, events: EventSink) -> None:
         async def handle(name: str | None, data: str) -> bool:

@@ -20,14 +20,14 @@ from __future__ import annotations
 import email.utils
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any, ClassVar, NamedTuple
 
 from relay.config import Profile, ProviderConfig
 from relay.errors import RelayError
 from relay.events import Call, EventSink
-from relay.http import AsyncClient, make_client
+from relay.http import AsyncClient, Response, make_client, transport_errors
 
 __all__ = ["AUTH_REASONS", "CONTEXT_PHRASES", "QUOTA_PHRASES", "Adapter", "parse_retry_after",
            "upstream_failure"]
@@ -114,6 +114,7 @@ class HTTPAdapter(Adapter):
     and a key from the environment (``key_env``; ``key_missing`` when it is unset)."""
 
     _client: AsyncClient
+    headers: dict[str, str]
     key_env: str | None = None
     key_missing: bool = False
 
@@ -125,6 +126,24 @@ class HTTPAdapter(Adapter):
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         await self._client.aclose()
+
+    async def post(self, url: str, body: Any, *, stream: bool,
+                   read_stream: Callable[[Response], Awaitable[None]],
+                   read_whole: Callable[[str], Awaitable[None]]) -> None:
+        """POST ``body`` and hand the answer to ``read_stream`` (the open response) or
+        ``read_whole`` (its text). Inside ``async with client.stream``, so a stop closes
+        the upstream connection; an error status becomes its relay error."""
+        with transport_errors(self.name):
+            async with self._client.stream("POST", url, json=body,
+                                           headers=self.headers) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread()).decode("utf-8", "replace")
+                    raise upstream_failure(self.name, resp.status_code, text, resp.headers,
+                                           key_hint=self.key_env)
+                if stream:
+                    await read_stream(resp)
+                else:
+                    await read_whole((await resp.aread()).decode("utf-8", "replace"))
 
     def refuse_without_key(self) -> None:
         """An unset key is refused before anything is sent (``auth_required``)."""

@@ -25,7 +25,6 @@ up a new login) and is never retried by another path.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 from pathlib import Path
@@ -260,21 +259,12 @@ class ClaudeCLIAdapter(CLIAdapter):
                            Streamer(events, hold=E2_FENCE))
 
     # --- session ------------------------------------------------------------------------
-    def _system_file(self, system: str | None) -> Path | None:
-        if system is None:
-            return None
-        digest = hashlib.sha256(system.encode()).hexdigest()[:24]
-        path = self.private / f"system-{digest}.md"
-        if not path.exists():
-            path.write_text(system, encoding="utf-8")
-        return path
-
     async def run_session(self, call: Call, system: str | None, prompt: str,
                           events: EventSink) -> None:
         model = self.model_for(call)
 
         async def start() -> Warm:
-            argv = self.argv(model, self._system_file(system), session=True)
+            argv = self.argv(model, self.system_file(system), session=True)
             return Warm(await self.spawn(argv, self.env()), key=(model, system))
 
         await self.session_turn((model, system), start, self._ready,

@@ -174,7 +174,7 @@ class CloudAdapter(HTTPAdapter):
             return [("base_url", f"must start with http:// or https://: {url!r}")]
         return []
 
-    # --- an instance's life: HTTPAdapter's ------------------------------------------------
+    # --- requests (the pooled client and its life are HTTPAdapter's) ---------------------
     def failure(self, status: int, text: str, headers: Any) -> RelayError:
         return upstream_failure(self.name, status, text, headers, key_hint=self.key_env)
 

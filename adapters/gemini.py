@@ -40,7 +40,7 @@ import attrs
 from relay.config import Profile
 from relay.errors import RelayError
 from relay.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
-from relay.http import HTTPSettings, transport_errors
+from relay.http import HTTPSettings
 
 from .base import upstream_failure
 from .cloud import CloudAdapter, data_url, obj, stop_sequences, tool_calls
@@ -448,17 +448,9 @@ class GeminiAdapter(CloudAdapter):
         reader = CandidateReader(self.name)
         url = self._url(call.model, "streamGenerateContent?alt=sse" if call.stream
                         else "generateContent")
-        with transport_errors(self.name):
-            async with self._client.stream("POST", url, json=body,
-                                           headers=self.headers) as resp:
-                if resp.status_code != 200:
-                    text = (await resp.aread()).decode("utf-8", "replace")
-                    raise self.failure(resp.status_code, text, resp.headers)
-                if call.stream:
-                    await self._read_stream(resp, reader, events)
-                else:
-                    text = (await resp.aread()).decode("utf-8", "replace")
-                    await self._emit_whole(text, reader, events)
+        await self.post(url, body, stream=call.stream,
+                        read_stream=lambda resp: self._read_stream(resp, reader, events),
+                        read_whole=lambda text: self._emit_whole(text, reader, events))
 
     async def _read_stream(self, resp: Any, reader: CandidateReader,
                            events: EventSink) -> None:

@@ -26,7 +26,6 @@ retries): name a model.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -214,21 +213,13 @@ class GeminiCLIAdapter(CLIAdapter):
                 raise gemini_failure(self.name, message, rc=tool.returncode)
 
     # --- session ------------------------------------------------------------------------
-    def _system_file(self, system: str | None) -> Path | None:
-        if system is None:
-            return None
-        path = self.private / f"system-{hashlib.sha256(system.encode()).hexdigest()[:24]}.md"
-        if not path.exists():
-            path.write_text(system, encoding="utf-8")
-        return path
-
     async def run_session(self, call: Call, system: str | None, prompt: str,
                           events: EventSink) -> None:
         model = self.model_for(call)
 
         async def start() -> Warm:
             tool = await self.spawn(self.argv(model, session=True),
-                                    self.env(self._system_file(system)))
+                                    self.env(self.system_file(system)))
             try:
                 rpc = Rpc(tool, jsonrpc=True, answer=_answer)
                 reply = await rpc.wait_response(await rpc.request("initialize", {

@@ -156,19 +156,9 @@ class OpenAIAdapter(HTTPAdapter):
         if call.stream:  # ask for usage always: the record wants it
             body["stream_options"] = {**(call.params.get("stream_options") or {}),
                                       "include_usage": True}
-        url = f"{self.base_url}/chat/completions"
-        with transport_errors(self.name):
-            async with self._client.stream("POST", url, json=body,
-                                           headers=self.headers) as resp:
-                if resp.status_code != 200:
-                    text = (await resp.aread()).decode("utf-8", "replace")
-                    raise upstream_failure(self.name, resp.status_code, text, resp.headers,
-                                           key_hint=self.key_env)
-                if call.stream:
-                    await self._read_stream(resp, events)
-                else:
-                    text = (await resp.aread()).decode("utf-8", "replace")
-                    await self._emit_whole(text, events)
+        await self.post(f"{self.base_url}/chat/completions", body, stream=call.stream,
+                        read_stream=lambda resp: self._read_stream(resp, events),
+                        read_whole=lambda text: self._emit_whole(text, events))
 
     async def _read_stream(self, resp: Any, events: EventSink) -> None:
         open_choices: set[int] = set()
