@@ -471,16 +471,14 @@ class Dispatcher:
                     run_s = provider.config.profile.run_timeout_s
                     run.run_deadline = run.running_since + run_s
                     run.poke()
+                    # The run timeout is one of the deadlines the dispatcher watches: at
+                    # it, the dispatcher names the failure and cancels ``run.scope``.
                     adapter = provider.adapter   # a reload may replace it: this one runs
                     self.relay.adapter_enter(adapter)
                     try:
-                        with trio.move_on_at(run.run_deadline) as run_scope:
-                            await adapter.run(run.call, run.sink)
+                        await adapter.run(run.call, run.sink)
                     finally:
                         self.relay.adapter_exit(adapter)
-                    if run_scope.cancelled_caught:
-                        run.stopped_at = run.run_deadline
-                        raise self._timeout(run, "run_timeout", None, math.inf)
                     if not run.sink.complete:
                         raise RelayError("stream_cut", f"provider {provider.name!r} ended "
                                          "its answer before it was complete",
