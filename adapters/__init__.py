@@ -4,8 +4,8 @@ A kind's profile travels with its class (``recommended_profile``); adding a kind
 file plus one line here. A kind's module is imported the first time it is looked up, so
 a relay pays (in start-up time and memory) only for the kinds its config uses.
 
-Note: PyPI has an unrelated package also called ``adapters``; the two cannot share one
-environment.
+The repository keeps the adapters in its top-level ``adapters/`` folder; they are installed
+as ``relay.adapters`` (setuptools' package-dir), so relay claims no global package name.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator, Mapping
 
-from .base import Adapter
+from relay.api.adapter import Adapter
 
 __all__ = ["ADAPTERS", "Adapter"]
 

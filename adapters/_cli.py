@@ -44,12 +44,12 @@ from typing import Any, ClassVar, Generic, TypeVar
 import attrs
 import trio
 
-from relay.config import Profile, default_state_dir
-from relay.errors import RelayError
-from relay.events import Call, Delta, EventSink, Finish, Recovered, Usage
+from relay.api.adapter import Adapter
+from relay.vocab.errors import RelayError
+from relay.vocab.events import Call, Delta, EventSink, Finish, Recovered, Usage
+from relay.vocab.profile import Profile, default_state_dir
 
 from ._process import REAP_S, ToolProcess, spawn_tool
-from .base import Adapter
 
 __all__ = ["Broken", "CLIAdapter", "CLISettings", "Outcome", "Rpc", "Streamer", "Turned",
            "Warm", "WarmPool", "refuse", "render", "salvage", "tool_error"]

@@ -31,7 +31,7 @@ from typing import IO, Any
 
 import trio
 
-from relay.errors import RelayError
+from relay.vocab.errors import RelayError
 
 __all__ = ["REAP_S", "ToolProcess", "session_members", "spawn_tool"]
 

@@ -35,10 +35,11 @@ from typing import Any
 
 import attrs
 
-from relay.config import Profile
-from relay.errors import RelayError
-from relay.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
-from relay.http import HTTPSettings
+from relay.api.adapter import Capabilities
+from relay.api.http import HTTPSettings
+from relay.vocab.errors import RelayError
+from relay.vocab.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
+from relay.vocab.profile import Profile
 
 from .base import upstream_failure
 from .cloud import CloudAdapter, data_url, obj, stop_sequences, tool_calls
@@ -405,7 +406,8 @@ class MessageReader:
 class AnthropicAdapter(CloudAdapter):
     kind = "anthropic"
     Settings = AnthropicSettings
-    prefill = True  # Anthropic continues a final assistant message
+    # Anthropic continues a final assistant message.
+    capabilities = Capabilities(tools=True, prefill=True)
     default_base_url = "https://api.anthropic.com/v1"
     default_key_env = "ANTHROPIC_API_KEY"
     supported_params = frozenset({

@@ -22,91 +22,14 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
-from relay.config import Profile, ProviderConfig
-from relay.errors import RelayError
-from relay.events import Call, EventSink
-from relay.http import AsyncClient, Response, make_client, transport_errors
+from relay.api.adapter import Adapter
+from relay.api.http import AsyncClient, Response, make_client, transport_errors
+from relay.vocab.errors import RelayError
 
-__all__ = ["AUTH_REASONS", "CONTEXT_PHRASES", "QUOTA_PHRASES", "Adapter", "parse_retry_after",
+__all__ = ["AUTH_REASONS", "CONTEXT_PHRASES", "QUOTA_PHRASES", "HTTPAdapter", "parse_retry_after",
            "upstream_failure"]
-
-
-class Adapter:
-    kind: ClassVar[str]
-    Settings: ClassVar[type[Any]]
-    prefill: ClassVar[bool] = False
-    # Request fields this kind can honour; None: everything passes through.
-    supported_params: ClassVar[frozenset[str] | None] = None
-    # Fields outside supported_params whose value asks for nothing this kind would do
-    # differently (``n = 1``, a penalty of 0): honoured by doing nothing. A null value
-    # is the field's default and always passes.
-    neutral_params: ClassVar[dict[str, Any]] = {}
-
-    def __init__(self, provider: ProviderConfig) -> None:
-        self.provider = provider
-        self.name = provider.name
-        self.settings = provider.settings
-
-    # --- what the kind declares (used by config validation) -----------------------------
-    @classmethod
-    def recommended_profile(cls, settings: Any) -> Profile | None:
-        """This kind's own profile for these settings, or None (then the file must give
-        every field)."""
-        return None
-
-    @classmethod
-    def max_call_s(cls, settings: Any) -> float:
-        """The longest a legitimate call may take; ``run_timeout_s`` may not be shorter."""
-        return 0.0
-
-    @classmethod
-    def typical_call_s(cls, settings: Any) -> float:
-        return 10.0
-
-    @classmethod
-    def describe_settings(cls, settings: Any) -> str:
-        """One line for ``relay config check`` (never a secret)."""
-        return ""
-
-    @classmethod
-    def settings_problems(cls, settings: Any) -> list[tuple[str, str]]:
-        """(key, what is wrong) for settings that are well typed but still wrong."""
-        return []
-
-    # --- an instance's life -----------------------------------------------------------------
-    async def __aenter__(self) -> Adapter:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
-        return None
-
-    def check_call(self, call: Call) -> None:
-        """Raise ``unsupported`` for a field this kind cannot honour."""
-        if self.supported_params is None:
-            return
-        for key, value in call.params.items():
-            if key in self.supported_params or value is None:
-                continue
-            if key not in self.neutral_params or self.neutral_params[key] != value:
-                raise RelayError(
-                    "unsupported",
-                    f"provider {self.name!r} ({self.kind}) cannot honour the request field "
-                    f"{key!r}; remove it or choose another provider",
-                    provider=self.name, param=key)
-
-    def listed_name(self, model: str) -> str:
-        """The name under which ``model`` would be listed (the fake strips its options)."""
-        return model
-
-    async def run(self, call: Call, events: EventSink) -> None:
-        raise NotImplementedError
-
-    async def models(self) -> list[str]:
-        """Discover the provider's models (may raise `RelayError`)."""
-        return list(self.provider.models)
 
 
 class HTTPAdapter(Adapter):

@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 
 import trio
 
-from relay.errors import RelayError
-from relay.http import transport_errors
+from relay.api.http import transport_errors
+from relay.vocab.errors import RelayError
 
 from .base import HTTPAdapter, upstream_failure
 

@@ -26,11 +26,10 @@ from urllib.parse import parse_qsl
 import attrs
 import trio
 
-from relay.config import Profile
-from relay.errors import REASONS, RelayError
-from relay.events import Call, Delta, EventSink, Finish, Usage
-
-from .base import Adapter
+from relay.api.adapter import Adapter, Capabilities
+from relay.vocab.errors import REASONS, RelayError
+from relay.vocab.events import Call, Delta, EventSink, Finish, Usage
+from relay.vocab.profile import Profile
 
 __all__ = ["FakeAdapter", "FakeSettings"]
 
@@ -51,7 +50,8 @@ _KNOBS: dict[str, type] = {
 class FakeAdapter(Adapter):
     kind = "fake"
     Settings = FakeSettings
-    prefill = True  # a call ending in an assistant message continues it
+    # A call ending in an assistant message continues it.
+    capabilities = Capabilities(prefill=True)
     supported_params = frozenset({
         "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
         "user", "stream_options", "n", "metadata", "presence_penalty", "frequency_penalty",

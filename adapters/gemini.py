@@ -37,10 +37,11 @@ from urllib.parse import quote
 
 import attrs
 
-from relay.config import Profile
-from relay.errors import RelayError
-from relay.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
-from relay.http import HTTPSettings
+from relay.api.adapter import Capabilities
+from relay.api.http import HTTPSettings
+from relay.vocab.errors import RelayError
+from relay.vocab.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
+from relay.vocab.profile import Profile
 
 from .base import upstream_failure
 from .cloud import CloudAdapter, data_url, obj, stop_sequences, tool_calls
@@ -384,7 +385,8 @@ class CandidateReader:
 class GeminiAdapter(CloudAdapter):
     kind = "gemini"
     Settings = GeminiSettings
-    prefill = False  # Gemini does not reliably continue a final model turn
+    # Gemini does not reliably continue a final model turn: no prefill.
+    capabilities = Capabilities(tools=True)
     default_base_url = "https://generativelanguage.googleapis.com/v1beta"
     default_key_env = "GEMINI_API_KEY"
     supported_params = frozenset({

@@ -33,8 +33,8 @@ from typing import Any
 import attrs
 import trio
 
-from relay.errors import RelayError
-from relay.events import Call, EventSink, Usage
+from relay.vocab.errors import RelayError
+from relay.vocab.events import Call, EventSink, Usage
 
 from ._cli import (
     Broken,

@@ -23,10 +23,11 @@ from typing import Any
 import attrs
 import trio
 
-from relay.config import Profile
-from relay.errors import RelayError
-from relay.events import Call, Delta, EventSink, Finish, Skipped, Usage
-from relay.http import HTTPSettings, transport_errors
+from relay.api.adapter import Capabilities
+from relay.api.http import HTTPSettings, transport_errors
+from relay.vocab.errors import RelayError
+from relay.vocab.events import Call, Delta, EventSink, Finish, Skipped, Usage
+from relay.vocab.profile import Profile
 
 from .base import HTTPAdapter, upstream_failure
 
@@ -74,7 +75,7 @@ class OpenAISettings(HTTPSettings):
 class OpenAIAdapter(HTTPAdapter):
     kind = "openai"
     Settings = OpenAISettings
-    prefill = False
+    capabilities = Capabilities(tools=True)
 
     def __init__(self, provider: Any) -> None:
         super().__init__(provider)

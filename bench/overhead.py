@@ -893,7 +893,7 @@ def serve_relay_profiled(config: str, prefix: str) -> int:
     """``relay serve``, with cProfile on between SIGUSR1 and SIGUSR2 (stats: PREFIX.N)."""
     import cProfile
 
-    from relay.cli import main as relay_main
+    from relay.assembly.cli import main as relay_main
 
     state: dict[str, Any] = {"profile": None, "n": 0}
 

@@ -15,30 +15,35 @@ app), for programs that serve it themselves.
 
 from __future__ import annotations
 
-import trio
+import os
+from pathlib import Path
+from typing import Any
 
-from .config import Config, load_config, parse_config
-from .core import Relay, open_relay
-from .errors import ConfigError, RelayError
-from .server import Served, serve_http
+from relay import config as _config
+from relay.adapters import ADAPTERS
+from relay.assembly.relay import Relay, open_relay
+from relay.assembly.server import Served, serve, serve_http
+from relay.config import Config
+from relay.vocab.errors import ConfigError, RelayError
 
 __all__ = ["Config", "ConfigError", "Relay", "RelayError", "Served", "load_config",
-           "open_relay", "parse_config", "serve"]
+           "open_relay", "parse_config", "serve", "serve_http"]
 
 __version__ = "0.1.0"
 
 
-async def serve(
-    config: Config, *, port: int | None = None,
-    shutdown: trio.Event | None = None,
-    task_status: trio.TaskStatus[Served] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Run a relay and its HTTP front until cancelled (or ``shutdown`` is set: drain).
+def load_config(path: str | os.PathLike[str] | None = None, *,
+                server_overrides: dict[str, Any] | None = None) -> Config:
+    """Read and validate a config file against relay's adapters (`relay.config.load_config`;
+    default: ``./profiles.toml`` if present, else the packaged default).
 
-    ``task_status.started`` gets a `Served` with the bound URLs and the `Relay`.
-    ``port`` overrides the config's (0: any free port); the host is the config's, whose
-    safety rules were checked when it was loaded.
+    Raises:
+        ConfigError: listing every problem, each with file, table and key.
     """
-    async with open_relay(config) as relay:
-        await serve_http(relay, port=port, shutdown=shutdown,
-                         task_status=task_status)
+    return _config.load_config(path, ADAPTERS, server_overrides=server_overrides)
+
+
+def parse_config(text: str, *, source: str = "<config>", base_dir: Path | None = None,
+                 **options: Any) -> Config:
+    """Validate config text against relay's adapters (`relay.config.parse_config`)."""
+    return _config.parse_config(text, ADAPTERS, source=source, base_dir=base_dir, **options)

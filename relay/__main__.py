@@ -1,3 +1,3 @@
-from .cli import main
+from relay.assembly.cli import main
 
 raise SystemExit(main())

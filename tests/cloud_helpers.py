@@ -12,7 +12,7 @@ import trio
 from conftest import records, wait_for
 from fake_http import FakeServer
 
-from relay.errors import REASONS
+from relay.vocab.errors import REASONS
 
 BOUND_S = 0.5  # a stop must close the upstream connection within this
 # One TLS context for every client: building one per client costs ~30 ms.

@@ -27,17 +27,17 @@ from cloud_helpers import (
 )
 from conftest import FAKE_ONLY, chat, lane_idle, sse_events, start_relay, wait_for
 from fake_anthropic import KEY, FakeAnthropic, Script, error_body, serve_fake_anthropic
-
-from adapters.anthropic import (
+from relay.adapters.anthropic import (
     STOP_REASONS,
     AnthropicAdapter,
     MessageReader,
     messages_request,
     usage_of,
 )
-from adapters.base import upstream_failure
-from relay.errors import REASONS, RelayError
-from relay.events import Call, Delta, Finish, Skipped, Usage
+from relay.adapters.base import upstream_failure
+
+from relay.vocab.errors import REASONS, RelayError
+from relay.vocab.events import Call, Delta, Finish, Skipped, Usage
 
 KEY_ENV = "RELAY_TEST_ANTHROPIC_KEY"
 CHAT = "/v1/chat/completions"

@@ -278,7 +278,7 @@ async def test_start_up_checks(tmp_path: Path, autojump_clock: trio.abc.Clock) -
 
 async def test_check_from_the_command_line_helper(nursery: trio.Nursery, tmp_path: Path) -> None:
     # `relay check` is a blocking client: run it in a thread against a live relay.
-    from relay.cli import main
+    from relay.assembly.cli import main
 
     text = CHECKS.replace('models = ["echo"]', 'models = ["echo"]') + """
 [providers.broken]

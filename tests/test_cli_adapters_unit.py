@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from relay.adapters._cli import render
+from relay.adapters.claude_cli import E2_FENCE, classify, disguised_failure
+from relay.adapters.codex_cli import codex_failure
+from relay.adapters.gemini_cli import gemini_failure
 
 import relay  # noqa: F401  (imports the adapters through the registry, in order)
-from adapters._cli import render
-from adapters.claude_cli import E2_FENCE, classify, disguised_failure
-from adapters.codex_cli import codex_failure
-from adapters.gemini_cli import gemini_failure
-from relay.errors import RelayError
+from relay.vocab.errors import RelayError
 
 
 def success(text: str, **extra: object) -> dict[str, object]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import config_from
 
-import adapters
+from relay import adapters
 
 
 @pytest.mark.parametrize(("kind", "own"), [("claude-cli", "ANTHROPIC_API_KEY"),

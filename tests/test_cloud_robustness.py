@@ -8,13 +8,13 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from relay.adapters.anthropic import messages_request
+from relay.adapters.gemini import gemini_request
 
-from adapters.anthropic import messages_request
-from adapters.gemini import gemini_request
-from relay.anthropic_api import parse_messages_body
-from relay.errors import RelayError
-from relay.events import Call
-from relay.openai_api import OPENAI
+from relay.dialects.anthropic_messages import parse_messages_body
+from relay.dialects.openai_chat import OPENAI
+from relay.vocab.errors import RelayError
+from relay.vocab.events import Call
 
 KEYS = ["role", "content", "type", "text", "image_url", "url", "tool_calls", "function",
         "name", "arguments", "id", "tool_call_id", "file", "file_data", "input_audio",

@@ -35,9 +35,8 @@ from fake_gemini import (
     retry_info,
     serve_fake_gemini,
 )
-
-from adapters.base import upstream_failure
-from adapters.gemini import (
+from relay.adapters.base import upstream_failure
+from relay.adapters.gemini import (
     BROKEN,
     FINISH_REASONS,
     REFUSALS,
@@ -48,8 +47,9 @@ from adapters.gemini import (
     tool_call_id,
     usage_of,
 )
-from relay.errors import RelayError
-from relay.events import Call, Delta, Finish, Skipped, Usage
+
+from relay.vocab.errors import RelayError
+from relay.vocab.events import Call, Delta, Finish, Skipped, Usage
 
 KEY_ENV = "RELAY_TEST_GEMINI_KEY"
 CHAT = "/v1/chat/completions"

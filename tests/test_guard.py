@@ -35,7 +35,7 @@ from upstream import FakeUpstream
 
 import relay
 from relay import Served
-from relay.errors import REASONS
+from relay.vocab.errors import REASONS
 
 CHAT = "/v1/chat/completions"
 # One TLS context for every client here: building one per client (httpx's default) costs

@@ -9,9 +9,9 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from relay.config import Profile
-from relay.errors import RelayError
-from relay.lanes import Lane
+from relay.engine.lanes import Lane
+from relay.vocab.errors import RelayError
+from relay.vocab.profile import Profile
 
 
 def lane(lanes: int = 1, queue_max: int = 8, queue_timeout_s: float = 30.0,

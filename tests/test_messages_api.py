@@ -32,10 +32,10 @@ from fake_gemini import KEY as GEMINI_KEY
 from fake_gemini import FakeGemini, serve_fake_gemini
 from upstream import FakeUpstream, Script, error_body
 
-from relay.anthropic_api import ANTHROPIC, STOP_REASONS, parse_messages_body
-from relay.errors import REASONS, RelayError
-from relay.events import Delta, Finish, Usage
-from relay.writers import Answer
+from relay.dialects.anthropic_messages import ANTHROPIC, STOP_REASONS, parse_messages_body
+from relay.dialects.base import Answer
+from relay.vocab.errors import REASONS, RelayError
+from relay.vocab.events import Delta, Finish, Usage
 
 MESSAGES = "/v1/messages"
 LONG = "The provider explains at length. " * 80

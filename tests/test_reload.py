@@ -8,7 +8,8 @@ from typing import Any
 
 import httpx
 import trio
-from conftest import chat, lane_idle, wait_for
+from conftest import chat, lane_idle, wait_for, with_upstream
+from upstream import FakeUpstream, Script
 
 import relay
 
@@ -134,7 +135,7 @@ async def test_a_replaced_adapter_closes_when_its_last_attempt_ends(
     path.write_text(BASE.format(lanes=2))
     served = await start(nursery, path)
     url = f"{served.url}/v1/chat/completions"
-    old = served.relay.providers["fake"].adapter
+    old = served.relay.providers["fake"].handle
     answers: dict[str, str] = {}
 
     async def call(name: str, model: str) -> None:
@@ -147,11 +148,43 @@ async def test_a_replaced_adapter_closes_when_its_last_attempt_ends(
                                                  'models = ["echo"]\nreply = "new words"'))
     changes = (await reload(client, served)).json()["changes"]
     assert any("adapter reopened" in c for c in changes)
-    assert id(old) in served.relay._retiring                  # still used by "a"
+    assert old.retiring and not old.closed                    # still used by "a"
     nursery.start_soon(call, "b", "fake/echo?delay_s=2")     # keeps the lane busy
     await wait_for(lambda: "a" in answers)
     assert answers["a"] == "old words"                        # finished on the old one
-    await wait_for(lambda: id(old) not in served.relay._retiring)
+    await wait_for(lambda: old.closed)
     assert stats(served)[0] == 1                              # closed while the lane is busy
     await wait_for(lambda: "b" in answers)
     assert answers["b"] == "new words"
+
+
+async def test_a_removed_providers_queued_requests_finish_on_its_retiring_adapter(
+        nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient,
+        upstream: FakeUpstream) -> None:
+    # Found in review: a reload removed a provider while requests were queued on it; its
+    # adapter (an HTTP pool) was closed when the running attempt ended, then the queued
+    # requests were granted and ran on the closed pool (7 of 10 → 500).
+    upstream.scripts["slow"] = Script(chunks=["done"], first_byte_delay_s=0.3)
+    path = tmp_path / "relay.toml"
+    text = with_upstream(upstream, profile="", extra="")
+    path.write_text(text)
+    served = await start(nursery, path)
+    url = f"{served.url}/v1/chat/completions"
+    handle = served.relay.providers["up"].handle
+    codes: list[int] = []
+
+    async def call() -> None:
+        r = await client.post(url, json=chat("up/slow"))
+        codes.append(r.status_code)
+
+    for _ in range(4):   # one runs (lanes = 1), three wait (queue_max = 4)
+        nursery.start_soon(call)
+    await wait_for(lambda: stats(served, "up")[:2] == (1, 3))
+    path.write_text(text.split("[providers.up]")[0])
+    changes = (await reload(client, served)).json()["changes"]
+    assert any("provider up: removed" in c for c in changes)
+    assert handle.retiring and not handle.closed
+    await wait_for(lambda: len(codes) == 4, limit_s=10)
+    assert codes == [200, 200, 200, 200]
+    await wait_for(lambda: handle.closed)   # then closed, once nothing is inside
+    assert handle.attempts == 0

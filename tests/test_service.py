@@ -26,9 +26,9 @@ import pytest
 import trio
 from test_cli import RELAY, daemon, write
 
-from relay.cli import main
-from relay.errors import ConfigError
-from relay.service import parse_env_file
+from relay.assembly.cli import main
+from relay.assembly.service import parse_env_file
+from relay.vocab.errors import ConfigError
 
 SECRET = "sk-test-SECRET-value-123"
 CONFIG = """

@@ -32,20 +32,13 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
-from .config import Profile
-from .errors import RelayError
+from relay.vocab.errors import RelayError
+from relay.vocab.events import LaneStatistics
+from relay.vocab.profile import Profile
 
 __all__ = ["PRIORITIES", "Lane", "LaneStatistics", "Ticket"]
 
 PRIORITIES = {"interactive": 0, "normal": 1, "background": 2}
-
-
-@attrs.frozen
-class LaneStatistics:
-    running: int
-    capacity: int
-    queued: int
-    queue_max: int
 
 
 @attrs.define(eq=False)

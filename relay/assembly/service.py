@@ -40,8 +40,9 @@ from pathlib import Path
 
 import attrs
 
-from .config import Config, default_config_path, parse_config
-from .errors import ConfigError
+from relay.adapters import ADAPTERS
+from relay.config import Config, default_config_path, parse_config
+from relay.vocab.errors import ConfigError
 
 __all__ = ["LAUNCHD_LABEL", "install", "launchd_plist", "load_env_file", "systemd_unit",
            "uninstall"]
@@ -248,7 +249,7 @@ def _load_for_service(path: str | None, env_file: Path) -> Config:
     env = dict(os.environ)
     if env_file.exists():
         env.update(parse_env_file(env_file.read_text(encoding="utf-8"), str(env_file)))
-    config = parse_config(text, source=str(file), base_dir=file.parent,
+    config = parse_config(text, ADAPTERS, source=str(file), base_dir=file.parent,
                           environ=_AssumeSet(env))
     token_env = config.server.token_env
     if token_env and not env.get(token_env):

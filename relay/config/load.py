@@ -13,69 +13,49 @@ Loading never stops at the first problem: `load_config` collects them all and ra
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import cattrs
 from attrs import validators as v
 
-from .errors import ConfigError
+from relay.vocab.errors import ConfigError
+from relay.vocab.profile import (
+    REQUIRED_PROFILE_FIELDS,
+    Profile,
+    ProviderConfig,
+    default_state_dir,
+    is_loopback_host,
+    not_negative,
+    positive,
+)
+
+if TYPE_CHECKING:
+    from relay.api.adapter import Adapter
+
+Registry = Mapping[str, "type[Adapter]"]
 
 __all__ = [
     "COMMON_PROVIDER_KEYS",
+    "PACKAGED_DEFAULT",
     "Config",
-    "Profile",
-    "ProviderConfig",
+    "Registry",
     "RouteConfig",
     "ServerConfig",
+    "check_target",
     "default_config_path",
-    "default_state_dir",
-    "is_loopback_host",
     "load_config",
     "parse_config",
 ]
 
 T = TypeVar("T")
 
-
-def _positive(inst: object, attr: attrs.Attribute[Any], value: float) -> None:
-    if value <= 0:  # the caller names the key (validation_problems)
-        raise ValueError(f"must be > 0, got {value!r}")
-
-
-def _not_negative(inst: object, attr: attrs.Attribute[Any], value: float) -> None:
-    if value < 0:
-        raise ValueError(f"must be >= 0, got {value!r}")
-
-
-@attrs.frozen(kw_only=True)
-class Profile:
-    """How much traffic a provider takes (SPEC L1).
-
-    lanes: requests that run at once. queue_max: requests allowed to wait.
-    queue_timeout_s: longest wait. run_timeout_s: longest run. rpm: request starts per
-    minute (0 = unpaced). interrupt_grace_s: CLI tools, how long an interrupt may take
-    to be confirmed before the process group is killed.
-    """
-
-    lanes: int = attrs.field(validator=v.ge(1))
-    queue_max: int = attrs.field(validator=v.ge(0))
-    queue_timeout_s: float = attrs.field(validator=_positive)
-    run_timeout_s: float = attrs.field(validator=_positive)
-    rpm: float = attrs.field(default=0.0, validator=_not_negative)
-    interrupt_grace_s: float = attrs.field(default=5.0, validator=_not_negative)
-
-
-PROFILE_FIELDS = tuple(a.name for a in attrs.fields(Profile))
-REQUIRED_PROFILE_FIELDS = tuple(
-    a.name for a in attrs.fields(Profile) if a.default is attrs.NOTHING
-)
+# The packaged default config (SPEC O1), shipped inside the relay package.
+PACKAGED_DEFAULT = Path(__file__).parent.parent / "profiles.toml"
 
 
 @attrs.frozen(kw_only=True)
@@ -97,14 +77,14 @@ class ServerConfig:
     records: str | None = None  # per-request JSON lines; relative to the config file
     records_max_bytes: int = attrs.field(default=10 * 1024 * 1024, validator=v.ge(1024))
     records_keep: int = attrs.field(default=3, validator=v.ge(0))
-    heartbeat_s: float = attrs.field(default=15.0, validator=_positive)
-    write_timeout_s: float = attrs.field(default=5.0, validator=_positive)
-    drain_grace_s: float = attrs.field(default=10.0, validator=_not_negative)
+    heartbeat_s: float = attrs.field(default=15.0, validator=positive)
+    write_timeout_s: float = attrs.field(default=5.0, validator=positive)
+    drain_grace_s: float = attrs.field(default=10.0, validator=not_negative)
     token_env: str | None = None
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=v.ge(1024))
-    body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    body_timeout_s: float = attrs.field(default=30.0, validator=positive)
     check_on_start: bool = False  # run a connection check of every provider at start-up
 
 
@@ -151,19 +131,6 @@ class RouteConfig:
             return None
         return tries * (self.primary_timeout_s
                         + len(self.fallbacks) * (self.fallback_timeout_s or 0.0))
-
-
-@attrs.frozen(kw_only=True)
-class ProviderConfig:
-    name: str
-    adapter: str
-    profile: Profile
-    settings: Any  # the adapter kind's own attrs settings instance
-    models: tuple[str, ...] = ()
-    models_configured: bool = False  # the file listed them: only those are accepted
-    prefill: bool = False
-    check_interval_s: float | None = None  # periodic connection checks (off by default)
-    check_model: str | None = None  # the model a check asks (default: the first known)
 
 
 @attrs.frozen(kw_only=True)
@@ -255,35 +222,15 @@ def _table_key(dotted: str) -> str:
 
 # --- loading -----------------------------------------------------------------------------
 
-def is_loopback_host(host: str) -> bool:
-    if host.lower() in ("localhost", "localhost.", "ip6-localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def default_state_dir() -> Path:
-    """Where relay keeps its records with the packaged default config (SPEC A5)."""
-    home = Path.home()
-    if sys.platform == "darwin":
-        return home / "Library" / "Application Support" / "relay"
-    if sys.platform == "win32":
-        return Path(os.environ.get("LOCALAPPDATA", home / "AppData" / "Local")) / "relay"
-    state = os.environ.get("XDG_STATE_HOME")
-    return (Path(state) if state else home / ".local" / "state") / "relay"
-
-
 def default_config_path() -> Path:
     """``./profiles.toml`` if present, else the packaged default (SPEC 9)."""
     local = Path("profiles.toml")
     if local.is_file():
         return local
-    return Path(__file__).with_name("profiles.toml")
+    return PACKAGED_DEFAULT
 
 
-def load_config(path: str | os.PathLike[str] | None = None, *,
+def load_config(path: str | os.PathLike[str] | None, adapters: Registry, *,
                 server_overrides: Mapping[str, Any] | None = None) -> Config:
     """Read and validate a config file (default: `default_config_path`).
 
@@ -294,23 +241,21 @@ def load_config(path: str | os.PathLike[str] | None = None, *,
         ConfigError: listing every problem, each with file, table and key.
     """
     file = Path(path) if path is not None else default_config_path()
-    packaged = file.resolve() == Path(__file__).with_name("profiles.toml").resolve()
+    packaged = file.resolve() == PACKAGED_DEFAULT.resolve()
     try:
         text = file.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([f"{file}: cannot read: {exc.strerror or exc}"]) from exc
-    return parse_config(text, source=str(file), base_dir=file.parent, packaged=packaged,
-                        server_overrides=server_overrides)
+    return parse_config(text, adapters, source=str(file), base_dir=file.parent,
+                        packaged=packaged, server_overrides=server_overrides)
 
 
 def parse_config(
-    text: str, *, source: str = "<config>", base_dir: Path | None = None,
+    text: str, adapters: Registry, *, source: str = "<config>", base_dir: Path | None = None,
     packaged: bool = False, environ: Mapping[str, str] | None = None,
     server_overrides: Mapping[str, Any] | None = None,
 ) -> Config:
     """Validate config text; see `load_config`. ``environ`` defaults to os.environ."""
-    from adapters import ADAPTERS  # the registry; imported late: adapters import this module
-
     env = os.environ if environ is None else environ
     try:
         data = tomllib.loads(text)
@@ -338,7 +283,7 @@ def parse_config(
         problems.append("[providers]: must be a table of [providers.NAME] tables")
         raw_providers = {}
     for name, table in raw_providers.items():
-        provider = _load_provider(name, table, ADAPTERS, problems, warnings)
+        provider = _load_provider(name, table, adapters, problems, warnings)
         if provider is not None:
             providers[name] = provider
 
@@ -465,7 +410,7 @@ def _load_provider(
             problems.append(f"[{where}] models: must be a list of non-empty strings")
         else:
             models = tuple(m)
-    prefill = common.get("prefill", adapter.prefill)
+    prefill = common.get("prefill", adapter.capabilities.prefill)
     if not isinstance(prefill, bool):
         problems.append(f"[{where}] prefill: expected true or false")
     check_model = common.get("check_model")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
@@ -30,10 +30,11 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
 
-if TYPE_CHECKING:
-    from .core import Relay
+from relay.config import Config
 
-__all__ = ["BoundedWriteTCPServer", "Served", "serve_http"]
+from .relay import Relay, open_relay
+
+__all__ = ["BoundedWriteTCPServer", "Served", "serve", "serve_http"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,3 +118,19 @@ async def serve_http(
         await context.terminated.set()  # idle keep-alive connections close now
         await relay.drain(server.drain_grace_s)
         connections.cancel_scope.cancel()
+
+
+async def serve(
+    config: Config, *, port: int | None = None,
+    shutdown: trio.Event | None = None,
+    task_status: trio.TaskStatus[Served] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a relay and its HTTP front until cancelled (or ``shutdown`` is set: drain).
+
+    ``task_status.started`` gets a `Served` with the bound URLs and the `Relay`.
+    ``port`` overrides the config's (0: any free port); the host is the config's, whose
+    safety rules were checked when it was loaded.
+    """
+    async with open_relay(config) as relay:
+        await serve_http(relay, port=port, shutdown=shutdown,
+                         task_status=task_status)

@@ -32,11 +32,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import RelayError
-from .events import Delta, Finish, Usage
-from .openai_api import INT_MAX, load_request
-from .openai_api import bad_request as _bad
-from .writers import Answer, ChatInput, dumps
+from relay.dialects.base import Answer, ChatInput, dumps
+from relay.dialects.openai_chat import INT_MAX, load_request
+from relay.dialects.openai_chat import bad_request as _bad
+from relay.vocab.errors import RelayError
+from relay.vocab.events import Delta, Finish, Usage
 
 __all__ = ["ANTHROPIC", "STOP_REASONS", "AnthropicDialect", "AnthropicStream",
            "parse_messages_body"]

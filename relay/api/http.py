@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import httpx
 
-from .errors import RelayError
+from relay.vocab.errors import RelayError
 
 __all__ = ["AsyncClient", "HTTPSettings", "Response", "get_json", "make_client",
            "post_json", "transport_errors"]

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import RelayError
-from .events import Delta, Finish, Usage
-from .writers import Answer, ChatInput, dumps
+from relay.dialects.base import Answer, ChatInput, dumps
+from relay.vocab.errors import RelayError
+from relay.vocab.events import Delta, Finish, Usage
 
 __all__ = ["INT_MAX", "OPENAI", "OpenAIDialect", "bad_request", "load_request", "parse_chat_body"]
 

@@ -16,21 +16,20 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
 
-from .dispatch import AttemptStarted, Dispatcher, Ended, Plan, make_plan
-from .errors import RelayError
-from .events import Call, Delta, Finish, Skipped, Usage
-from .front import CHANNEL_SIZE, ChatRequest
-from .openai_api import OPENAI, parse_chat_body
-from .records import Record
-from .writers import Answer, dumps, merge_delta, new_choice
-
-if TYPE_CHECKING:
-    from .core import RequestStop
+from relay.dialects.base import Answer, dumps, merge_delta, new_choice
+from relay.dialects.openai_chat import OPENAI, parse_chat_body
+from relay.engine.dispatch import Dispatcher
+from relay.engine.plan import Plan, make_plan
+from relay.engine.stops import RequestStop
+from relay.front.chat import CHANNEL_SIZE, ChatRequest
+from relay.vocab.errors import RelayError
+from relay.vocab.events import AttemptStarted, Call, Delta, Ended, Finish, Skipped, Usage
+from relay.vocab.records import Record
 
 __all__ = ["FanoutRequest"]
 
@@ -93,8 +92,6 @@ class FanoutRequest(ChatRequest):
         return self.base_call, self.branches[0].plan, priority
 
     async def _run(self, call: Call, plan: Plan, priority: str) -> None:
-        from .core import RequestStop
-
         stop = RequestStop()
         self.relay.track(stop)
         send_bytes, recv_bytes = trio.open_memory_channel[bytes](CHANNEL_SIZE)

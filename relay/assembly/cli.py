@@ -20,8 +20,13 @@ from typing import Any
 
 import trio
 
-from .config import Config, load_config
-from .errors import ConfigError
+from relay.adapters import ADAPTERS
+from relay.api.http import get_json, post_json
+from relay.config import Config, load_config
+from relay.vocab.errors import ConfigError
+
+from . import service
+from .server import serve
 
 __all__ = ["main"]
 
@@ -69,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(path: str | None, overrides: dict[str, Any] | None = None) -> Config | None:
     try:
-        config = load_config(path, server_overrides=overrides)
+        config = load_config(path, ADAPTERS, server_overrides=overrides)
     except ConfigError as exc:
         print("relay: the configuration has problems:", file=sys.stderr)
         for problem in exc.problems:
@@ -86,10 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port))
                      if v is not None}
         if args.env_file is not None:
-            from .service import load_env_file
-
             try:
-                names = load_env_file(args.env_file)
+                names = service.load_env_file(args.env_file)
             except ConfigError as exc:
                 print("relay: " + "\n  ".join(exc.problems), file=sys.stderr)
                 return 2
@@ -111,8 +114,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return _status(args.url)
     if args.command == "service":
-        from . import service
-
         if args.service_command == "install":
             return service.install(args.kind, config_path=args.config,
                                    print_only=args.print_only)
@@ -124,8 +125,6 @@ def main(argv: list[str] | None = None) -> int:
 
 async def run_daemon(config: Config) -> None:
     """Serve until SIGTERM/SIGINT: the first drains (SPEC O3), a second stops at once."""
-    from . import serve
-
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         async def watch_signals(task_status: trio.TaskStatus[None]) -> None:
@@ -178,8 +177,6 @@ def describe_config(config: Config) -> str:
     for name, p in config.providers.items():
         prof = p.profile
         models = ", ".join(p.models) if p.models else "(discovered)"
-        from adapters import ADAPTERS
-
         detail = ADAPTERS[p.adapter].describe_settings(p.settings)
         lines.append(f"  {name}: adapter {p.adapter}; lanes {prof.lanes}, queue_max "
                      f"{prof.queue_max}, queue_timeout {prof.queue_timeout_s:g} s, run_timeout "
@@ -193,8 +190,6 @@ def describe_config(config: Config) -> str:
 
 def _check(url: str, names: list[str]) -> int:
     """Check each provider (all by default) and print one readable line each."""
-    from .http import get_json, post_json
-
     token = os.environ.get("RELAY_TOKEN")
     base = url.rstrip("/")
     try:
@@ -227,8 +222,6 @@ def _check(url: str, names: list[str]) -> int:
 
 
 def _status(url: str) -> int:
-    from .http import get_json
-
     token_env = os.environ.get("RELAY_TOKEN")
     try:
         code, body = get_json(url.rstrip("/") + "/relay/v1/status", token=token_env)

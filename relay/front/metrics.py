@@ -1,6 +1,6 @@
 """Prometheus metrics for one relay: ``GET /metrics`` (issue 8).
 
-Each `Relay` has its own registry (never prometheus_client's global one), so two relays
+Each relay has its own registry (never prometheus_client's global one), so two relays
 in one process — an embedding program, or the tests — never share or collide. Two kinds
 of numbers:
 
@@ -26,8 +26,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 if TYPE_CHECKING:
-    from .core import Relay
-    from .records import Record
+    from relay.engine.engine import Engine
+    from relay.vocab.records import Record
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -48,7 +48,7 @@ LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 class Metrics:
     """The metrics of one relay."""
 
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: Engine) -> None:
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter(
@@ -97,7 +97,7 @@ class Metrics:
 class _LiveCollector:
     """Gauges computed at scrape time from the relay's current providers."""
 
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: Engine) -> None:
         self.relay = relay
 
     def describe(self) -> list[Metric]:

@@ -8,12 +8,16 @@ a `Finish` for every choice is a cut-off answer, never a complete one (SPEC E4).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-__all__ = ["Call", "Delta", "Event", "EventSink", "Finish", "Recovered", "Skipped",
-           "Usage"]
+if TYPE_CHECKING:
+    from relay.vocab.errors import RelayError
+
+__all__ = ["AttemptStarted", "Call", "Delta", "Ended", "Event", "EventSink", "Finish",
+           "LaneStatistics", "Queued", "Recovered", "Skipped", "Started", "Usage"]
 
 
 @attrs.frozen(kw_only=True)
@@ -88,3 +92,44 @@ class EventSink(Protocol):
     client) and is cancellable like every await."""
 
     async def send(self, event: Event) -> None: ...
+
+
+@attrs.frozen
+class LaneStatistics:
+    """A lane's numbers at one moment (SPEC A3): what status, notices and tests read."""
+
+    running: int
+    capacity: int
+    queued: int
+    queue_max: int
+
+
+# --- what the engine tells the writer besides the adapters' own events ----------------------
+
+@attrs.frozen(slots=True)
+class Queued:
+    """The attempt has to wait in its provider's queue; ``statistics`` reads that lane's
+    numbers whenever the writer has a waiting notice to send."""
+
+    statistics: Callable[[], LaneStatistics]
+
+
+@attrs.frozen(slots=True)
+class Started:
+    """The attempt holds a slot; the adapter is running."""
+
+
+@attrs.frozen(slots=True)
+class AttemptStarted:
+    """A new attempt begins. ``continues``: it continues the text already sent (prefill);
+    otherwise whatever an earlier attempt produced is void."""
+
+    model: str  # "provider/model", as the answer reports it
+    continues: bool
+
+
+@attrs.frozen(slots=True)
+class Ended:
+    """The request's outcome is known; ``error`` says how it failed."""
+
+    error: RelayError | None

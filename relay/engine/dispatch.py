@@ -34,16 +34,16 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from .config import RouteConfig, check_target
-from .errors import RelayError
-from .events import Call, Delta, Finish
-from .records import Attempt, Record
+from relay.engine.plan import Plan, Target
+from relay.vocab.errors import RelayError
+from relay.vocab.events import AttemptStarted, Call, Delta, Ended, Finish, Queued, Started
+from relay.vocab.records import Attempt, Record
 
 if TYPE_CHECKING:
-    from .core import Provider, Relay, RequestStop
+    from relay.engine.engine import Engine
+    from relay.engine.stops import RequestStop
 
-__all__ = ["FALLBACK_ON", "RETRY_ON", "AttemptStarted", "Dispatcher", "Ended", "Plan",
-           "Queued", "Started", "make_plan"]
+__all__ = ["FALLBACK_ON", "RETRY_ON", "Dispatcher"]
 
 logger = logging.getLogger("relay.dispatch")
 
@@ -56,103 +56,6 @@ FALLBACK_ON = frozenset({
 })
 # F3: the failures the same target may fix when asked again (never a timeout or a 4xx).
 RETRY_ON = frozenset({"rate_limited", "upstream_error", "upstream_unavailable", "stream_cut"})
-
-
-# --- what flows to the writer besides the adapters' own events ------------------------------
-
-@attrs.frozen(slots=True)
-class Queued:
-    """The attempt has to wait in its provider's queue."""
-
-    provider: Provider
-
-
-@attrs.frozen(slots=True)
-class Started:
-    """The attempt holds a slot; the adapter is running."""
-
-
-@attrs.frozen(slots=True)
-class AttemptStarted:
-    """A new attempt begins. ``continues``: it continues the text already sent (prefill);
-    otherwise whatever an earlier attempt produced is void."""
-
-    model: str  # "provider/model", as the answer reports it
-    continues: bool
-
-
-@attrs.frozen(slots=True)
-class Ended:
-    """The request's outcome is known; ``error`` says how it failed."""
-
-    error: RelayError | None
-
-
-# --- the plan ------------------------------------------------------------------------------
-
-@attrs.frozen
-class Target:
-    provider: Provider
-    model: str
-    role: str  # primary | fallback
-
-    @property
-    def name(self) -> str:
-        return f"{self.provider.name}/{self.model}"
-
-
-@attrs.frozen
-class Plan:
-    targets: list[Target]
-    route: RouteConfig | None = None
-
-    @property
-    def retries(self) -> int:
-        return self.route.retries if self.route else 0
-
-    def timeout_for(self, target: Target) -> float | None:
-        if self.route is None:
-            return None
-        if target.role == "primary":
-            return self.route.primary_timeout_s
-        return self.route.fallback_timeout_s
-
-
-def make_plan(relay: Relay, model: str, body_fallbacks: Any) -> Plan:
-    """Resolve ``model`` (a route, ``provider/model`` or a bare model) and the body's own
-    ``fallbacks`` (which replace the route's; ``[]`` means none).
-
-    Raises:
-        RelayError: ``unknown_model`` or ``invalid_request``.
-    """
-    route = relay.config.routes.get(model)
-    if route is not None:
-        provider, name = relay.resolve(route.primary)
-        fallbacks = list(route.fallbacks)
-    else:
-        provider, name = relay.resolve(model)
-        fallbacks = []
-    if body_fallbacks is not None:
-        if not isinstance(body_fallbacks, list) or not all(
-                isinstance(f, str) for f in body_fallbacks):
-            raise RelayError("invalid_request", "'fallbacks' must be a list of "
-                             "PROVIDER/MODEL strings", param="fallbacks")
-        fallbacks = body_fallbacks
-    targets = [Target(provider, name, "primary")]
-    seen = {targets[0].name}
-    for entry in fallbacks:
-        problem = check_target(entry, {n: p.config for n, p in relay.providers.items()})
-        if problem is not None:
-            raise RelayError("unknown_model", f"fallback {problem}", param="fallbacks")
-        fb_provider, fb_model = relay.resolve(entry)
-        target = Target(fb_provider, fb_model, "fallback")
-        if target.name in seen:
-            raise RelayError("invalid_request", f"fallback {entry!r} is listed twice (or "
-                             "is the primary); each target is tried at most once",
-                             param="fallbacks")
-        seen.add(target.name)
-        targets.append(target)
-    return Plan(targets, route)
 
 
 # --- one attempt ----------------------------------------------------------------------------
@@ -260,7 +163,7 @@ class _Run:
 # --- the dispatcher -------------------------------------------------------------------------
 
 class Dispatcher:
-    def __init__(self, relay: Relay, plan: Plan, call: Call, priority: str,
+    def __init__(self, relay: Engine, plan: Plan, call: Call, priority: str,
                  record: Record, stop: RequestStop, stream: bool) -> None:
         self.relay = relay
         self.plan = plan
@@ -460,9 +363,12 @@ class Dispatcher:
         error: RelayError | None = None
         finished = False  # False at the end: it was stopped (request gone, drain, timeout)
         try:
-            with run.scope:
+            # The attempt holds its adapter from before it queues until its lane slot is
+            # back: a reload that retires the adapter closes it only after that.
+            with run.scope, provider.handle.use() as adapter:
                 async with provider.lane.slot(
-                        self.priority, on_queued=lambda: run.sink.tell(Queued(provider))
+                        self.priority,
+                        on_queued=lambda: run.sink.tell(Queued(provider.lane.statistics))
                 ) as ticket:
                     self.record.queue_ms = round((self.record.queue_ms or 0.0)
                                                  + ticket.queue_s * 1000, 3)
@@ -473,12 +379,7 @@ class Dispatcher:
                     run.poke()
                     # The run timeout is one of the deadlines the dispatcher watches: at
                     # it, the dispatcher names the failure and cancels ``run.scope``.
-                    adapter = provider.adapter   # a reload may replace it: this one runs
-                    self.relay.adapter_enter(adapter)
-                    try:
-                        await adapter.run(run.call, run.sink)
-                    finally:
-                        self.relay.adapter_exit(adapter)
+                    await adapter.run(run.call, run.sink)
                     if not run.sink.complete:
                         raise RelayError("stream_cut", f"provider {provider.name!r} ended "
                                          "its answer before it was complete",

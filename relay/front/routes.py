@@ -6,17 +6,22 @@ responses silently); relay owns its deadlines. Every error here is an E1 body to
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 import trio
-from quart import Response
+from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from .errors import RelayError
+from relay.engine.checks import check_provider
+from relay.vocab.errors import ConfigError, RelayError
+
+from .metrics import CONTENT_TYPE, Metrics
+from .status_page import page_response
 
 if TYPE_CHECKING:
-    from .core import Relay
+    from relay.engine.engine import Engine
 
 __all__ = ["make_quart_app"]
 
@@ -30,14 +35,10 @@ def _error(error: RelayError) -> Response:
 
 
 def _json(obj: Any) -> str:
-    import json
-
     return json.dumps(obj, separators=(",", ":"))
 
 
-def make_quart_app(relay: Relay) -> QuartTrio:
-    from .core import provider_status
-
+def make_quart_app(relay: Engine, metrics_: Metrics) -> QuartTrio:
     app = QuartTrio("relay")
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = None
@@ -62,22 +63,18 @@ def make_quart_app(relay: Relay) -> QuartTrio:
 
     @app.get("/relay/v1/status")
     async def status() -> Response:
-        body = {"providers": {name: provider_status(p, relay.clock)
+        body = {"providers": {name: p.status(relay.clock)
                               for name, p in relay.providers.items()},
                 "draining": relay.draining}
         return Response(_json(body), content_type="application/json")
 
     @app.get("/")
     async def status_page() -> Response:
-        from .status_page import page_response
-
         return page_response()
 
     @app.get("/relay/v1/requests")
     async def recent_requests() -> Response:
         """The last records, newest first (``?limit=N``, at most 200): the status page's."""
-        from quart import request
-
         limit = request.args.get("limit", "50")
         if not limit.isdigit():
             return _error(RelayError("invalid_request", "limit must be a whole number"))
@@ -86,26 +83,20 @@ def make_quart_app(relay: Relay) -> QuartTrio:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        from .metrics import CONTENT_TYPE
-
-        return Response(relay.metrics.render(), content_type=CONTENT_TYPE)
+        return Response(metrics_.render(), content_type=CONTENT_TYPE)
 
     @app.post("/relay/v1/providers/<name>/check")
     async def check(name: str) -> Response:
-        from .checks import check_provider
-
         provider = relay.providers.get(name)
         if provider is None:
             return _error(RelayError("invalid_request", f"no provider is named {name!r}; "
                                      f"known: {', '.join(relay.providers)}", status=404))
         result = await check_provider(relay, provider)
-        body = {**result.as_dict(), "status": provider_status(provider, relay.clock)}
+        body = {**result.as_dict(), "status": provider.status(relay.clock)}
         return Response(_json(body), content_type="application/json")
 
     @app.post("/relay/v1/reload")
     async def reload() -> Response:
-        from .errors import ConfigError
-
         try:
             changes = await relay.reload()
         except ConfigError as exc:

@@ -29,13 +29,16 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from .dispatch import Dispatcher, Ended, Plan, Target
-from .errors import RelayError
-from .events import Call, Delta
-from .records import Record
+from relay.engine.dispatch import Dispatcher
+from relay.engine.plan import Plan, Target
+from relay.engine.stops import RequestStop
+from relay.vocab.errors import RelayError
+from relay.vocab.events import Call, Delta, Ended
+from relay.vocab.records import Record
 
 if TYPE_CHECKING:
-    from .core import Provider, Relay
+    from relay.engine.engine import Engine
+    from relay.engine.providers import Provider
 
 __all__ = ["CHECK_PROMPT", "CheckResult", "check_provider", "serve_checks"]
 
@@ -73,10 +76,8 @@ def _check_model(provider: Provider) -> str:
     return "default"
 
 
-async def check_provider(relay: Relay, provider: Provider) -> CheckResult:
+async def check_provider(relay: Engine, provider: Provider) -> CheckResult:
     """Run one connection check and apply its outcome to the provider's state."""
-    from .core import RequestStop
-
     started = trio.current_time()
     if not provider.models and not provider.config.check_model:
         try:
@@ -146,7 +147,7 @@ def _apply(provider: Provider, started: float, text: str | None,
     return CheckResult(provider.name, False, "failed", error.reason, said, None, duration)
 
 
-async def serve_checks(relay: Relay) -> None:
+async def serve_checks(relay: Engine) -> None:
     """The optional checks: at start-up and every ``check_interval_s``; runs until
     cancelled. A provider whose lanes are all busy is skipped and tried again later."""
     due: dict[str, float] = {}
@@ -178,7 +179,7 @@ async def serve_checks(relay: Relay) -> None:
             await relay.reloaded.wait()
 
 
-async def _scheduled_check(relay: Relay, provider: Provider, running: set[str]) -> None:
+async def _scheduled_check(relay: Engine, provider: Provider, running: set[str]) -> None:
     try:
         result = await check_provider(relay, provider)
         logger.info("check %s: %s (%s)", provider.name, result.outcome, result.message)

@@ -17,76 +17,60 @@ the timing and the rules that are the same for every dialect:
 
 from __future__ import annotations
 
-import json
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-import attrs
 import trio
 
-from .dispatch import AttemptStarted, Ended, Queued, Started
-from .errors import RelayError
-from .events import Delta, Finish, Recovered, Skipped, Usage
+from relay.dialects.base import Answer, dumps, merge_delta, new_choice
+from relay.vocab.errors import RelayError
+from relay.vocab.events import (
+    AttemptStarted,
+    Delta,
+    Ended,
+    Finish,
+    LaneStatistics,
+    Queued,
+    Recovered,
+    Skipped,
+    Started,
+    Usage,
+)
 
 if TYPE_CHECKING:
-    from .front import ChatRequest
+    from relay.config import ServerConfig
+    from relay.dialects.base import Dialect
+    from relay.vocab.records import Record
 
-__all__ = ["Answer", "ChatInput", "Dialect", "JSONWriter", "StreamEncoder", "StreamWriter",
-           "dumps"]
+    from .asgi import Message
+
+__all__ = ["JSONWriter", "Responder", "StreamWriter"]
 
 COALESCE_MAX = 256  # events folded into one `send` when they are ready together
 WAITING_NOTICE_S = 2.0
 
 
-def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+class Responder(Protocol):
+    """What a writer needs of the request it answers (`relay.front.chat.ChatRequest`)."""
 
+    dialect: Dialect
+    record: Record
+    server: ServerConfig
+    headers_sent: bool
+    include_usage: bool
+    progress_events: bool
 
-@attrs.define(kw_only=True)
-class ChatInput:
-    """A chat request in relay's own terms (OpenAI's message shapes), whatever dialect
-    it arrived in."""
-
-    model: str
-    messages: list[dict[str, Any]]
-    stream: bool
-    params: dict[str, Any]
-    fallbacks: Any = None
-    include_usage: bool = False
-
-
-@attrs.define(kw_only=True)
-class Answer:
-    """A finished plain answer: choices in OpenAI's message shape, by index."""
-
-    id: str
-    created: int
-    model: str
-    choices: dict[int, dict[str, Any]]
-    usage: Usage | None
-
-
-class StreamEncoder(Protocol):
-    def begin(self, model: str) -> None: ...
-    def delta(self, event: Delta) -> bytes: ...
-    def finish(self, event: Finish) -> bytes: ...
-    def set_usage(self, usage: Usage) -> None: ...
-    def done(self) -> bytes: ...
-    def error(self, error: RelayError) -> bytes: ...
-
-
-class Dialect(Protocol):
-    name: str
-
-    def parse(self, body: bytes) -> ChatInput: ...
-    def error_body(self, error: RelayError) -> dict[str, Any]: ...
-    def render(self, answer: Answer) -> dict[str, Any]: ...
-    def encoder(self, request_id: str, created: int,
-                include_usage: bool) -> StreamEncoder: ...
+    async def send(self, message: Message) -> None: ...
+    async def send_json(self, status: int, obj: Any,
+                        headers: list[tuple[bytes, bytes]] | None = None) -> None: ...
+    async def send_error(self, error: RelayError) -> None: ...
+    def fail(self, error: RelayError) -> None: ...
+    def drop_client(self) -> None: ...
 
 
 class _Writer:
-    def __init__(self, request: ChatRequest, model: str) -> None:
+    def __init__(self, request: Responder, model: str) -> None:
         self.request = request
         self.dialect = request.dialect
         self.model = model  # "provider/model" of the attempt that answers
@@ -140,48 +124,17 @@ class JSONWriter(_Writer):
         raise RuntimeError("the attempt ended without saying how")
 
 
-def new_choice(index: int) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": None},
-            "finish_reason": None}
-
-
-def merge_delta(choice: dict[str, Any], delta: Delta) -> None:
-    """Fold one delta into a choice in OpenAI's message shape (tool calls by index)."""
-    message = choice["message"]
-    if delta.content is not None:
-        message["content"] = (message["content"] or "") + delta.content
-    for call in delta.tool_calls or ():
-        calls = message.setdefault("tool_calls", [])
-        index = call.get("index", len(calls))
-        while len(calls) <= index:
-            calls.append({"id": None, "type": "function",
-                          "function": {"name": "", "arguments": ""}})
-        slot = calls[index]
-        if call.get("id"):
-            slot["id"] = call["id"]
-        if call.get("type"):
-            slot["type"] = call["type"]
-        function = call.get("function") or {}
-        if function.get("name"):
-            slot["function"]["name"] += function["name"]
-        if function.get("arguments"):
-            args = function["arguments"]
-            slot["function"]["arguments"] += args if isinstance(args, str) else json.dumps(args)
-    for key, value in (delta.extra or {}).items():
-        old = message.get(key)
-        message[key] = old + value if isinstance(old, str) and isinstance(value, str) else value
-
-
 class StreamWriter(_Writer):
     """A streamed answer: SSE, heartbeats, waiting notices, coalesced sends."""
 
-    def __init__(self, request: ChatRequest, model: str) -> None:
+    def __init__(self, request: Responder, model: str) -> None:
         super().__init__(request, model)
         self.heartbeat_s = request.server.heartbeat_s
         self.write_timeout_s = request.server.write_timeout_s
         self.last_write = trio.current_time()
         self.queued_at: float | None = None
-        self.queued_on: Any = None  # the provider whose queue we wait in
+        # The statistics of the lane we wait in, while we wait.
+        self.queued_on: Callable[[], LaneStatistics] | None = None
         self.encoder = self.dialect.encoder(self.record.id, self.created,
                                             request.include_usage)
         self.encoder.begin(model)
@@ -207,7 +160,8 @@ class StreamWriter(_Writer):
         self.last_write = trio.current_time()
 
     def _waiting_notice(self) -> bytes:
-        stats = self.queued_on.lane.statistics()
+        assert self.queued_on is not None  # only sent while queued
+        stats = self.queued_on()
         now = trio.current_time()
         elapsed = now - (self.queued_at if self.queued_at is not None else now)
         if self.request.progress_events:
@@ -263,7 +217,7 @@ class StreamWriter(_Writer):
                         self.record.usage = None
                         self.record.recovered = False
                 elif isinstance(event, Queued):
-                    self.queued_on = event.provider
+                    self.queued_on = event.statistics
                     self.queued_at = trio.current_time()
                     next_notice = self.queued_at  # at once, then every 2 s
                 elif isinstance(event, Started):

@@ -1,0 +1,127 @@
+"""The adapter contract: what an adapter kind declares and what an instance does.
+
+An adapter kind is one class: its ``kind`` (the registry key), its ``Settings`` (an attrs
+class of the keys its providers take beyond the common ones), its `Capabilities`, and its
+own recommended profile, longest call and typical call (SPEC L2, L3: there is no global
+default). An instance serves one provider:
+
+- ``async with adapter:`` opens what it holds for its life (an HTTP client, a pool of
+  warm processes) inside relay's own nursery;
+- ``check_call(call)`` refuses, before anything is queued, a request field it cannot
+  honour (``unsupported``, SPEC A1) — never dropping one silently;
+- ``run(call, events)`` sends `relay.vocab.events` to ``events`` and returns when the
+  answer is complete, or raises `RelayError`. Every await in it is cancellable, and a
+  cancel closes the upstream (HTTP: by leaving ``async with client.stream``; CLI:
+  interrupt, grace, kill). It runs inside its lane's slot, so the slot is released only
+  after it returns.
+
+This module and `relay.api.http` are the adapter API: with the vocabulary
+(`relay.vocab`), they are all of relay an adapter may import.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any, ClassVar
+
+import attrs
+
+from relay.vocab.errors import RelayError
+from relay.vocab.events import Call, EventSink
+from relay.vocab.profile import Profile, ProviderConfig
+
+__all__ = ["Adapter", "Capabilities"]
+
+
+@attrs.frozen(kw_only=True)
+class Capabilities:
+    """What an adapter kind can do beyond plain chat, so the dialects ask instead of
+    catching failures.
+
+    tools: takes tool definitions and answers with tool calls. prefill: can continue
+    from an assistant prefill (the provider's ``prefill`` key may still turn it off).
+    embeddings: ``POST /v1/embeddings`` (SPEC A8). count_tokens: the provider's own token
+    counter (SPEC A6). responses: can take an OpenAI Responses request as it is (SPEC A7).
+    """
+
+    tools: bool = False
+    prefill: bool = False
+    embeddings: bool = False
+    count_tokens: bool = False
+    responses: bool = False
+
+
+class Adapter:
+    kind: ClassVar[str]
+    Settings: ClassVar[type[Any]]
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    # Request fields this kind can honour; None: everything passes through.
+    supported_params: ClassVar[frozenset[str] | None] = None
+    # Fields outside supported_params whose value asks for nothing this kind would do
+    # differently (``n = 1``, a penalty of 0): honoured by doing nothing. A null value
+    # is the field's default and always passes.
+    neutral_params: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, provider: ProviderConfig) -> None:
+        self.provider = provider
+        self.name = provider.name
+        self.settings = provider.settings
+
+    # --- what the kind declares (used by config validation) -----------------------------
+    @classmethod
+    def recommended_profile(cls, settings: Any) -> Profile | None:
+        """This kind's own profile for these settings, or None (then the file must give
+        every field)."""
+        return None
+
+    @classmethod
+    def max_call_s(cls, settings: Any) -> float:
+        """The longest a legitimate call may take; ``run_timeout_s`` may not be shorter."""
+        return 0.0
+
+    @classmethod
+    def typical_call_s(cls, settings: Any) -> float:
+        return 10.0
+
+    @classmethod
+    def describe_settings(cls, settings: Any) -> str:
+        """One line for ``relay config check`` (never a secret)."""
+        return ""
+
+    @classmethod
+    def settings_problems(cls, settings: Any) -> list[tuple[str, str]]:
+        """(key, what is wrong) for settings that are well typed but still wrong."""
+        return []
+
+    # --- an instance's life -----------------------------------------------------------------
+    async def __aenter__(self) -> Adapter:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        return None
+
+    def check_call(self, call: Call) -> None:
+        """Raise ``unsupported`` for a field this kind cannot honour."""
+        if self.supported_params is None:
+            return
+        for key, value in call.params.items():
+            if key in self.supported_params or value is None:
+                continue
+            if key not in self.neutral_params or self.neutral_params[key] != value:
+                raise RelayError(
+                    "unsupported",
+                    f"provider {self.name!r} ({self.kind}) cannot honour the request field "
+                    f"{key!r}; remove it or choose another provider",
+                    provider=self.name, param=key)
+
+    def listed_name(self, model: str) -> str:
+        """The name under which ``model`` would be listed (the fake strips its options)."""
+        return model
+
+    async def run(self, call: Call, events: EventSink) -> None:
+        raise NotImplementedError
+
+    async def models(self) -> list[str]:
+        """Discover the provider's models (may raise `RelayError`)."""
+        return list(self.provider.models)

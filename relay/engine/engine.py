@@ -1,0 +1,223 @@
+"""The engine: a relay's providers, routes, records and in-flight requests, without HTTP.
+
+`Engine` owns what a running relay knows — the config, each `Provider` (adapter handle,
+lane, state), the records writer, the set of in-flight requests (for a drain) — and the
+operations on it: resolve a model name, reload a config in place (SPEC L10), drain
+(SPEC O3). It is given the adapter registry and a nursery of relay's own (where adapters
+live) by the assembly (`relay.assembly.relay.open_relay`), which adds the HTTP front.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import trio
+
+from relay.config import Config, load_config
+from relay.engine.lanes import Lane
+from relay.vocab.errors import RelayError
+from relay.vocab.profile import ProviderConfig
+from relay.vocab.records import RecordWriter
+
+from .providers import AdapterHandle, Provider, discover
+from .stops import RequestStop
+
+if TYPE_CHECKING:
+    from relay.api.adapter import Adapter
+
+__all__ = ["Engine"]
+
+logger = logging.getLogger(__name__)
+
+Registry = Mapping[str, "type[Adapter]"]
+
+
+class Engine:
+    """A running relay's state and operations. See the module docstring."""
+
+    def __init__(self, config: Config, registry: Registry, records: RecordWriter,
+                 nursery: trio.Nursery) -> None:
+        self.config = config
+        self.registry = registry
+        self.providers: dict[str, Provider] = {}
+        self.records = records
+        self.clock = records.clock
+        self.nursery = nursery
+        self.draining = False
+        self.in_flight: set[RequestStop] = set()
+        self.idle = trio.Event()  # set whenever no request is in flight
+        self.idle.set()
+        self.reloaded = trio.Event()  # set (and replaced) on every reload
+        self._reload_lock = trio.Lock()
+
+    # --- providers and their adapters ------------------------------------------------------
+    async def open_providers(self) -> None:
+        for name, pconf in self.config.providers.items():
+            self.providers[name] = self._provider(pconf, await self._open_adapter(pconf))
+
+    @staticmethod
+    def _provider(config: ProviderConfig, handle: AdapterHandle) -> Provider:
+        lane = Lane(config.name, config.profile,
+                    expected_run_s=type(handle.adapter).typical_call_s(config.settings))
+        return Provider(config=config, handle=handle, lane=lane, models=list(config.models))
+
+    async def _open_adapter(self, config: ProviderConfig) -> AdapterHandle:
+        """Each adapter lives in a task of relay's own nursery (`AdapterHandle.hold`)."""
+        handle = AdapterHandle(self.registry[config.adapter](config))
+        await self.nursery.start(handle.hold)
+        return handle
+
+    # --- reload (SPEC L10) --------------------------------------------------------------------
+    async def reload(self, config: Config | None = None) -> list[str]:
+        """Apply a new config in place: lane counts and timeouts change without touching
+        running work (waiting requests keep their order), providers come and go (a removed
+        one's running requests finish), routes are replaced. Without ``config`` the file
+        the current one came from is read again.
+
+        New adapters are opened first; only then is anything changed, in one synchronous
+        step, so a reload is applied whole or not at all.
+
+        Returns:
+            what changed, one line each.
+
+        Raises:
+            ConfigError: the new config is invalid; nothing changed.
+        """
+        async with self._reload_lock:
+            if config is None:
+                config = load_config(self.config.source, self.registry,
+                                     server_overrides=self.config.server_overrides)
+            # 1. Open what the new config needs (the only awaits), shielded and bounded:
+            # a client that leaves mid-reload must not leave it half done.
+            fresh: dict[str, AdapterHandle] = {}
+            try:
+                with trio.CancelScope(shield=True), trio.fail_after(30):
+                    for name, pconf in config.providers.items():
+                        current = self.providers.get(name)
+                        if current is None or _needs_new_adapter(current.config, pconf):
+                            fresh[name] = await self._open_adapter(pconf)
+            except BaseException:
+                for handle in fresh.values():
+                    handle.retire()
+                raise
+            # 2. Apply it all at once.
+            changes = self._apply(config, fresh)
+            logger.info("config reloaded from %s: %s", config.source,
+                        "; ".join(changes) or "no changes")
+            return changes
+
+    def _apply(self, config: Config, fresh: dict[str, AdapterHandle]) -> list[str]:
+        changes: list[str] = []
+        providers: dict[str, Provider] = {}
+        for name, pconf in config.providers.items():
+            current = self.providers.get(name)
+            if current is None:
+                providers[name] = self._provider(pconf, fresh[name])
+                changes.append(f"provider {name}: added")
+                self.nursery.start_soon(discover, providers[name])
+                continue
+            old = current.config
+            if name in fresh:
+                current.handle.retire()
+                current.handle = fresh[name]
+                changes.append(f"provider {name}: adapter reopened with the new settings "
+                               "(requests running on the old one finish on it)")
+            if old.profile != pconf.profile:
+                a, b = old.profile, pconf.profile
+                changes.append(f"provider {name}: profile changed (lanes {a.lanes}→"
+                               f"{b.lanes}, queue_max {a.queue_max}→{b.queue_max}, "
+                               f"queue_timeout_s {a.queue_timeout_s:g}→"
+                               f"{b.queue_timeout_s:g}, run_timeout_s {a.run_timeout_s:g}→"
+                               f"{b.run_timeout_s:g}, rpm {a.rpm:g}→{b.rpm:g})")
+                current.lane.update_profile(pconf.profile)
+            if pconf.models_configured:
+                current.models = list(pconf.models)
+            current.config = pconf
+            providers[name] = current
+        for name, gone in self.providers.items():
+            if name not in providers:
+                gone.handle.retire()
+                changes.append(f"provider {name}: removed (its running and queued requests "
+                               "finish)")
+        if dict(config.routes) != dict(self.config.routes):
+            changes.append(f"routes: {', '.join(config.routes) or '(none)'}")
+        old_server, new_server = self.config.server, config.server
+        for key in ("host", "port", "records", "records_max_bytes", "records_keep"):
+            if getattr(old_server, key) != getattr(new_server, key):
+                changes.append(f"[server] {key}: takes effect at the next restart")
+        if old_server != new_server:
+            changes.append("[server]: the other settings apply to new requests")
+        self.providers = providers
+        self.config = config
+        self.reloaded.set()
+        self.reloaded = trio.Event()
+        return changes
+
+    # --- model names ----------------------------------------------------------------------
+    def resolve(self, model: str) -> tuple[Provider, str]:
+        """``PROVIDER/MODEL`` (the model may contain '/'), or a bare model exactly one
+        provider lists (SPEC A1).
+
+        Raises:
+            RelayError: ``unknown_model``, listing what exists.
+        """
+        name, slash, rest = model.partition("/")
+        if slash:
+            provider = self.providers.get(name)
+            if provider is not None and rest and provider.accepts(rest):
+                return provider, rest
+        else:
+            owners = [p for p in self.providers.values() if model in p.models]
+            if len(owners) == 1:
+                return owners[0], model
+            if len(owners) > 1:
+                names = ", ".join(f"{p.name}/{model}" for p in owners)
+                raise RelayError("unknown_model", f"model {model!r} is offered by several "
+                                 f"providers; name one of: {names}", param="model")
+        known = ", ".join(self.known_names()) or "(none discovered yet)"
+        raise RelayError(
+            "unknown_model",
+            f"model {model!r} is not known. Known models: {known}. Or write PROVIDER/MODEL "
+            f"with one of the providers: {', '.join(self.providers)}.", param="model")
+
+    def model_ids(self) -> list[str]:
+        return [f"{p.name}/{m}" for p in self.providers.values() for m in p.models]
+
+    def known_names(self) -> list[str]:
+        return [*self.config.routes, *self.model_ids()]
+
+    # --- in-flight requests ---------------------------------------------------------------
+    def track(self, stop: RequestStop) -> None:
+        self.in_flight.add(stop)
+        self.idle = trio.Event() if self.idle.is_set() else self.idle
+
+    def untrack(self, stop: RequestStop) -> None:
+        self.in_flight.discard(stop)
+        if not self.in_flight:
+            self.idle.set()
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests; give in-flight ones ``grace_s``; then stop the rest through
+        their normal stop path (lanes released, ``shutting_down`` written)."""
+        self.draining = True
+        with trio.move_on_after(grace_s):
+            await self.idle.wait()
+        for stop in list(self.in_flight):
+            stop.stop(RelayError("shutting_down", "relay is shutting down; this request was "
+                                 "stopped before it completed. Retry when relay is back.",
+                                 retry_after_s=5.0))
+        # Their stop paths are bounded (interrupt grace, then a kill); wait for them.
+        grace = max((p.config.profile.interrupt_grace_s for p in self.providers.values()),
+                    default=0.0)
+        # (+5 s: a CLI tool's kill and reap after its grace.)
+        with trio.move_on_after(grace + 5.0):
+            await self.idle.wait()
+
+
+def _needs_new_adapter(old: ProviderConfig, new: ProviderConfig) -> bool:
+    """Adapters size what they hold (pools, warm processes) and their stop grace from the
+    profile: a change there, as in the settings, needs a new adapter."""
+    return ((old.adapter, old.settings, old.profile.lanes, old.profile.interrupt_grace_s)
+            != (new.adapter, new.settings, new.profile.lanes, new.profile.interrupt_grace_s))

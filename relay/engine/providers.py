@@ -1,0 +1,150 @@
+"""Providers at run time, and the lifetime of their adapters.
+
+A `Provider` is one config entry brought to life: its adapter (behind an `AdapterHandle`),
+its lane, its state (SPEC H4) and its models. The handle is the adapter's lifecycle as an
+object rather than bookkeeping keyed by ``id()``::
+
+    open ──retire()──▶ retiring ──last attempt leaves──▶ closed
+      └───────────────(no attempt inside)──────────────────┘
+
+An attempt *enters* the handle before it queues for a lane slot and leaves it after its
+adapter scope has exited, so a handle counts every attempt that may still run on it,
+queued ones included. A reload that replaces or removes a provider retires its handle;
+the adapter is closed once no attempt is inside — a removed provider's queued requests
+finish on it first, and no request ever starts on a closed adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from relay.vocab.errors import RelayError
+from relay.vocab.profile import ProviderConfig
+from relay.vocab.records import Clock
+
+from .lanes import Lane
+
+if TYPE_CHECKING:
+    from relay.api.adapter import Adapter
+
+__all__ = ["AdapterHandle", "Provider"]
+
+logger = logging.getLogger(__name__)
+
+DISCOVERY_TIMEOUT_S = 3.0
+DISCOVERY_MIN_INTERVAL_S = 15.0
+
+
+@attrs.define(eq=False)
+class AdapterHandle:
+    """One opened adapter and the attempts inside it. See the module docstring."""
+
+    adapter: Adapter
+    _close: trio.Event = attrs.field(factory=trio.Event)  # set: its holder task closes it
+    attempts: int = 0
+    retiring: bool = False
+
+    @property
+    def closed(self) -> bool:
+        return self._close.is_set()
+
+    @contextmanager
+    def use(self) -> Iterator[Adapter]:
+        """Hold the adapter open for one attempt (queue wait and run)."""
+        if self.closed:  # its provider was removed by a reload after the plan was made
+            raise RelayError("unknown_model", f"provider {self.adapter.name!r} was removed "
+                             "from relay's config", provider=self.adapter.name)
+        self.attempts += 1
+        try:
+            yield self.adapter
+        finally:
+            self.attempts -= 1
+            if self.retiring and self.attempts == 0:
+                self._close.set()
+
+    def retire(self) -> None:
+        """No new attempt will enter; close the adapter once the last one has left."""
+        self.retiring = True
+        if self.attempts == 0:
+            self._close.set()
+
+    async def hold(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                   ) -> None:
+        """The adapter's life, as one task of relay's own nursery: whatever it holds (an
+        HTTP pool, warm CLI processes with a nursery of their own) is opened and closed by
+        this task — when it is retired and empty, or when relay stops."""
+        async with self.adapter:
+            task_status.started()
+            await self._close.wait()
+
+
+@attrs.define(eq=False)
+class Provider:
+    """One provider at run time."""
+
+    config: ProviderConfig
+    handle: AdapterHandle
+    lane: Lane
+    models: list[str]
+    state: str = "unverified"  # unverified | connected | warning | failing (SPEC H4)
+    state_reason: str | None = None
+    checked_at: float | None = None
+    warning: str | None = None
+    discovered_at: float = -math.inf
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def adapter(self) -> Adapter:
+        """The current adapter (an attempt holds it through `AdapterHandle.use`)."""
+        return self.handle.adapter
+
+    def accepts(self, model: str) -> bool:
+        """A provider whose models the file lists takes only those; others take any name
+        (a discovered list may be stale, and the upstream names its own 404)."""
+        return (not self.config.models_configured
+                or self.adapter.listed_name(model) in self.config.models)
+
+    async def refresh_models(self, *, force: bool = False) -> None:
+        """Discover models, bounded in time; a failure keeps what was known."""
+        if self.config.models_configured:
+            return
+        now = trio.current_time()
+        if not force and now - self.discovered_at < DISCOVERY_MIN_INTERVAL_S:
+            return
+        self.discovered_at = now
+        with trio.move_on_after(DISCOVERY_TIMEOUT_S):
+            try:
+                self.models = sorted(set(await self.handle.adapter.models()))
+            except RelayError as exc:
+                logger.debug("model discovery for %s failed: %s", self.name, exc.message)
+
+    def status(self, clock: Clock) -> dict[str, Any]:
+        """This provider's entry in ``GET /relay/v1/status`` (SPEC A3, 9)."""
+        stats = self.lane.statistics()
+        return {
+            "adapter": self.config.adapter,
+            "state": self.state,
+            "state_reason": self.state_reason,
+            "checked_at": clock.iso(self.checked_at),
+            "models": self.models,
+            "warning": self.warning,
+            "lanes": {"running": stats.running, "capacity": stats.capacity,
+                      "queued": stats.queued, "queue_max": stats.queue_max},
+        }
+
+
+async def discover(provider: Provider) -> None:
+    try:
+        await provider.refresh_models(force=True)
+    except Exception:  # discovery is best effort; never take the relay down
+        logger.exception("model discovery for %s crashed", provider.name)

@@ -1,0 +1,89 @@
+"""The profile and the provider's static description: what every layer may know of a
+provider (SPEC L1, 9). Pure data; imports nothing of relay.
+
+`Profile` is how much traffic a provider takes; `ProviderConfig` is one provider as the
+config file describes it (its adapter kind's own settings included). Loading and
+validating them is `relay.config`'s business.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+from attrs import validators as v
+
+__all__ = ["PROFILE_FIELDS", "REQUIRED_PROFILE_FIELDS", "Profile", "ProviderConfig",
+           "default_state_dir", "is_loopback_host", "not_negative", "positive"]
+
+
+def positive(inst: object, attr: attrs.Attribute[Any], value: float) -> None:
+    if value <= 0:  # the caller names the key (validation_problems)
+        raise ValueError(f"must be > 0, got {value!r}")
+
+
+def not_negative(inst: object, attr: attrs.Attribute[Any], value: float) -> None:
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class Profile:
+    """How much traffic a provider takes (SPEC L1).
+
+    lanes: requests that run at once. queue_max: requests allowed to wait.
+    queue_timeout_s: longest wait. run_timeout_s: longest run. rpm: request starts per
+    minute (0 = unpaced). interrupt_grace_s: CLI tools, how long an interrupt may take
+    to be confirmed before the process group is killed.
+    """
+
+    lanes: int = attrs.field(validator=v.ge(1))
+    queue_max: int = attrs.field(validator=v.ge(0))
+    queue_timeout_s: float = attrs.field(validator=positive)
+    run_timeout_s: float = attrs.field(validator=positive)
+    rpm: float = attrs.field(default=0.0, validator=not_negative)
+    interrupt_grace_s: float = attrs.field(default=5.0, validator=not_negative)
+
+
+PROFILE_FIELDS = tuple(a.name for a in attrs.fields(Profile))
+REQUIRED_PROFILE_FIELDS = tuple(
+    a.name for a in attrs.fields(Profile) if a.default is attrs.NOTHING
+)
+
+
+@attrs.frozen(kw_only=True)
+class ProviderConfig:
+    name: str
+    adapter: str
+    profile: Profile
+    settings: Any  # the adapter kind's own attrs settings instance
+    models: tuple[str, ...] = ()
+    models_configured: bool = False  # the file listed them: only those are accepted
+    prefill: bool = False
+    check_interval_s: float | None = None  # periodic connection checks (off by default)
+    check_model: str | None = None  # the model a check asks (default: the first known)
+
+
+
+def is_loopback_host(host: str) -> bool:
+    if host.lower() in ("localhost", "localhost.", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def default_state_dir() -> Path:
+    """Where relay keeps its records with the packaged default config (SPEC A5)."""
+    home = Path.home()
+    if sys.platform == "darwin":
+        return home / "Library" / "Application Support" / "relay"
+    if sys.platform == "win32":
+        return Path(os.environ.get("LOCALAPPDATA", home / "AppData" / "Local")) / "relay"
+    state = os.environ.get("XDG_STATE_HOME")
+    return (Path(state) if state else home / ".local" / "state") / "relay"

@@ -1,0 +1,194 @@
+"""The architecture, held as data: relay's layers, and imports that point only downward.
+
+Every module of relay (and of the adapters, installed as ``relay.adapters``) belongs to
+one layer; a module may import its own layer and the ones below it, never one above.
+Every import counts — module level, function level and ``TYPE_CHECKING`` alike — so no
+cycle can be dodged by importing late. docs/architecture.md draws the same table.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lowest first. A module belongs to the first layer one of whose prefixes it starts with.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("vocabulary", ("relay.vocab",)),
+    ("adapter API", ("relay.api",)),
+    ("adapters", ("relay.adapters",)),
+    ("config", ("relay.config",)),
+    ("engine", ("relay.engine",)),
+    ("dialects", ("relay.dialects",)),
+    ("front", ("relay.front",)),
+    ("assembly", ("relay.assembly", "relay.__main__", "relay")),
+]
+# Layers that must not reach everything below them.
+ONLY: dict[str, set[str]] = {
+    "adapters": {"vocabulary", "adapter API", "adapters"},
+    "dialects": {"vocabulary", "dialects"},  # pure: parse and render, no engine, no I/O
+}
+
+
+def layer_of(module: str) -> int:
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def _modules() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for path in sorted((ROOT / "relay").rglob("*.py")):
+        rel = path.relative_to(ROOT / "relay")
+        if rel.parts[0] == "adapters":
+            continue  # the link to adapters/, read below under its own name
+        parts = ["relay", *rel.with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    for path in sorted((ROOT / "adapters").glob("*.py")):
+        name = "relay.adapters" if path.stem == "__init__" else f"relay.adapters.{path.stem}"
+        found[name] = path
+    return found
+
+
+def _package(module: str, path: Path) -> str:
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _targets(module: str, path: Path, node: ast.AST) -> list[tuple[int, str]]:
+    """(line, imported module) for one import statement."""
+    if isinstance(node, ast.Import):
+        return [(node.lineno, alias.name) for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level:
+        base = _package(module, path).split(".")
+        base = base[: len(base) - (node.level - 1)]
+        target = ".".join([*base, *([node.module] if node.module else [])])
+    else:
+        target = node.module or ""
+    # `from pkg import sub` may name a submodule: count it as that module.
+    return [(node.lineno, f"{target}.{a.name}" if f"{target}.{a.name}" in MODULES else target)
+            for a in node.names]
+
+
+def _imports(module: str, path: Path, *, skip_type_checking: bool = False
+             ) -> list[tuple[int, str]]:
+    """Every import in the file, wherever it stands (function level included)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    guarded: set[int] = set()
+    if skip_type_checking:
+        guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", None) == "TYPE_CHECKING"
+                   for child in node.body for n in ast.walk(child)}
+    return [t for node in ast.walk(tree) if id(node) not in guarded
+            for t in _targets(module, path, node)]
+
+
+MODULES = _modules()
+
+
+def test_every_module_is_in_a_layer() -> None:
+    assert len(MODULES) > 30
+    for module in MODULES:
+        layer_of(module)
+
+
+def test_imports_point_only_downward() -> None:
+    bad = []
+    for module, path in MODULES.items():
+        mine = layer_of(module)
+        name = LAYERS[mine][0]
+        for line, target in _imports(module, path):
+            if target != "relay" and not target.startswith("relay."):
+                continue
+            theirs = layer_of(target)
+            allowed = ONLY.get(name)
+            upward = theirs > mine
+            outside = allowed is not None and LAYERS[theirs][0] not in allowed
+            if upward or outside:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {module} ({name}) imports "
+                           f"{target} ({LAYERS[theirs][0]})")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle_between_modules() -> None:
+    """Within a layer too (``TYPE_CHECKING`` imports aside: they never run)."""
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, path in MODULES.items():
+        for _, target in _imports(module, path, skip_type_checking=True):
+            if target in graph and target != module:
+                graph[module].add(target)
+    # A package's __init__ importing its own submodules is the one allowed loop shape.
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt.startswith(node + "."):
+                continue
+            if state.get(nxt) == 1:
+                cycle = [*stack[stack.index(nxt):], nxt]
+                raise AssertionError("import cycle: " + " → ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_importlib_only_in_the_adapter_registry() -> None:
+    """Modules are imported by name (``importlib.import_module``) in one place only: the
+    registry, which loads an adapter kind the first time it is looked up."""
+    users = [m for m, p in MODULES.items() if any(t == "importlib" for _, t in _imports(m, p))]
+    assert users == ["relay.adapters"]
+
+
+def test_only_the_adapter_api_imports_httpx() -> None:
+    users = [m for m, p in MODULES.items()
+             if any(t == "httpx" or t.startswith("httpx.") for _, t in _imports(m, p))]
+    assert users == ["relay.api.http"]
+
+
+def test_dialects_do_no_io() -> None:
+    io = {"trio", "httpx", "socket", "subprocess", "hypercorn", "quart", "quart_trio"}
+    for module, path in MODULES.items():
+        if layer_of(module) == layer_of("relay.dialects"):
+            used = {t.partition(".")[0] for _, t in _imports(module, path)}
+            assert not used & io, f"{module} imports {sorted(used & io)}"
+
+
+@pytest.mark.parametrize("limit", [400])
+def test_modules_stay_small(limit: int) -> None:
+    """~400 lines a module (SPEC's "small and pleasant to read"); a longer one says why
+    in a ``# layers: long because …`` line."""
+    long = [f"{p.relative_to(ROOT)} ({n} lines)" for p in MODULES.values()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > limit
+            and "# layers: long because" not in p.read_text(encoding="utf-8")]
+    assert not long, "over the limit: " + ", ".join(long)
+
+
+def test_adapters_are_installed_under_relays_name() -> None:
+    """``relay.adapters`` imports; a top-level ``adapters`` does not (relay claims no
+    global package name another PyPI project uses)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = ("import relay.adapters, importlib.util, sys; "
+            "print(importlib.util.find_spec('adapters') is None)")
+    done = subprocess.run([sys.executable, "-c", code], cwd="/", env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
