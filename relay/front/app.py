@@ -13,8 +13,9 @@ from relay.dialects.openai_chat import OPENAI
 from relay.vocab.errors import RelayError
 
 from .asgi import RELAY_ROUTES, Message, Receive, Scope, Send, send_error
-from .chat import ChatRequest
-from .fanout import FanoutRequest
+from .chat import Chat
+from .exchange import Exchange
+from .fanout import Fanout
 from .guard import Guard
 from .routes import make_quart_app
 
@@ -48,7 +49,7 @@ class Front:
                 self.guard._record(scope, wrong)
                 await send_error(send, wrong, dialect)
                 return
-            await ChatRequest(self.relay, scope, receive, send, dialect).serve(body)
+            await Exchange(self.relay, scope, receive, send, dialect).serve(body, Chat())
             return
         if scope["path"] == "/relay/v1/fanout":
             if scope["method"] != "POST":
@@ -57,7 +58,7 @@ class Front:
                 self.guard._record(scope, wrong)
                 await send_error(send, wrong)
                 return
-            await FanoutRequest(self.relay, scope, receive, send, OPENAI).serve(body)
+            await Exchange(self.relay, scope, receive, send, OPENAI).serve(body, Fanout())
             return
         replayed = False
 

@@ -19,119 +19,60 @@ silent end. No cancel scope or nursery spans a ``yield`` anywhere here.
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import attrs
 import trio
 
-from relay.dialects.base import Dialect
 from relay.engine.dispatch import Dispatcher
 from relay.engine.lanes import PRIORITIES
 from relay.engine.plan import Plan, make_plan
 from relay.engine.stops import RequestStop
-from relay.front.writers import JSONWriter, StreamWriter
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call
-from relay.vocab.records import Record
 
-from .asgi import Message, Receive, Scope, Send, header, send_error, send_json
+from .asgi import header
+from .exchange import Exchange
+from .writers import JSONWriter, StreamWriter
 
-if TYPE_CHECKING:
-    from relay.engine.engine import Engine
-
-__all__ = ["CHANNEL_SIZE", "ChatRequest"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["CHANNEL_SIZE", "Chat", "priority_of"]
 
 CHANNEL_SIZE = 64
 
 
-# --- one chat request ---------------------------------------------------------------------
+def priority_of(exchange: Exchange) -> str:
+    """The request's ``X-Relay-Priority`` (SPEC L8), checked."""
+    priority = (header(exchange.scope, b"x-relay-priority") or "normal").strip().lower()
+    if priority not in PRIORITIES:
+        raise RelayError("invalid_request", f"X-Relay-Priority must be one of "
+                         f"{', '.join(PRIORITIES)}, not {priority!r}")
+    exchange.record.priority = priority
+    return priority
 
-class ChatRequest:
-    """One chat request, in any dialect: parse, plan, run, write, record."""
 
-    def __init__(self, relay: Engine, scope: Scope, receive: Receive, send: Send,
-                 dialect: Dialect) -> None:
-        self.relay = relay
-        self.dialect = dialect
-        self.scope = scope
-        self.receive = receive
-        self._send = send
-        self.answered = False  # the last byte of the answer has been handed to the server
-        self.server = relay.config.server
-        now = trio.current_time()
-        self.record = Record(id=scope["relay.request_id"], started_at=now)
-        self.headers_sent = False
-        self.client_gone = False
-        self.request_scope = trio.CancelScope()  # the request's nursery's, once it runs
+def refuse_when_draining(exchange: Exchange) -> None:
+    if exchange.relay.draining:
+        raise RelayError("shutting_down", "relay is shutting down and takes no new "
+                         "requests; retry when it is back", retry_after_s=5.0)
 
-    async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.body" and not message.get("more_body"):
-            self.answered = True  # from here on, a disconnect is the normal end
-        await self._send(message)
 
-    async def send_json(self, status: int, obj: Any,
-                        headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        await send_json(self.send, status, obj, headers)
+@attrs.define(eq=False)
+class Chat:
+    """The `Handler` of a chat request in any dialect: one plan, one dispatcher, one
+    writer."""
 
-    async def send_error(self, error: RelayError) -> None:
-        await send_error(self.send, error, self.dialect)
+    call: Call | None = None
+    plan: Plan | None = None
+    priority: str = "normal"
+    dispatcher: Dispatcher | None = None
 
-    async def serve(self, body: bytes) -> None:
-        record = self.record
-        ended = False
-        try:
-            refused: RelayError | None = None
-            try:
-                call, plan, priority = self._prepare(body)
-            except RelayError as exc:
-                refused = exc
-            if refused is not None:
-                self.fail(refused)
-                await self.send_error(refused)
-            else:
-                await self._run(call, plan, priority)
-            ended = True
-        except Exception as exc:  # a bug: still one record, still an E1 body if we can
-            logger.exception("request %s crashed", record.id)
-            kind = type(exc).__name__
-            error = RelayError("internal_error", f"relay failed unexpectedly ({kind}); see "
-                               f"its log for request {record.id}")
-            self.fail(error)
-            ended = True
-            with trio.move_on_after(1.0, shield=True):
-                if not self.headers_sent:
-                    await self.send_error(error)
-                elif not self.answered:
-                    # Headers are out: the failure goes in-band and the stream ends, so the
-                    # client sees an error, not a cut connection it would retry (SPEC A2).
-                    tail = self.dialect.encoder(record.id, 0, False).error(error)
-                    await self.send({"type": "http.response.body", "body": tail,
-                                     "more_body": False})
-        finally:
-            if not ended and record.reason is None:
-                # Cancelled from outside this request: the server is stopping.
-                if record.stop_requested_at is None:
-                    record.stop_requested_at = trio.current_time()
-                record.status, record.reason, record.phase = 503, "shutting_down", "shutdown"
-            self.relay.records.write(record)
-
-    def fail(self, error: RelayError) -> None:
-        self.record.status = error.status
-        self.record.reason = error.reason
-        self.record.phase = error.phase
-
-    def _prepare(self, body: bytes) -> tuple[Call, Plan, str]:
-        record = self.record
-        priority = self._priority()
-        record.priority = priority
-        chat = self.dialect.parse(body)
+    def prepare(self, exchange: Exchange, body: bytes) -> None:
+        record = exchange.record
+        self.priority = priority_of(exchange)
+        chat = exchange.dialect.parse(body)
         record.stream = chat.stream
-        if self.relay.draining:
-            raise RelayError("shutting_down", "relay is shutting down and takes no new "
-                             "requests; retry when it is back", retry_after_s=5.0)
-        plan = make_plan(self.relay, chat.model, chat.fallbacks)
+        refuse_when_draining(exchange)
+        plan = make_plan(exchange.relay, chat.model, chat.fallbacks)
         primary = plan.targets[0]
         record.route = plan.route.name if plan.route else None
         record.provider, record.model = primary.provider.name, primary.model
@@ -139,67 +80,29 @@ class ChatRequest:
                     messages=chat.messages, stream=chat.stream, params=chat.params)
         if len(plan.targets) == 1:
             primary.provider.adapter.check_call(call)  # a plain 400, before anything else
-        self.include_usage = chat.include_usage
-        self.progress_events = (header(self.scope, b"x-relay-progress") or "").strip() == "events"
-        return call, plan, priority
+        exchange.include_usage = chat.include_usage
+        exchange.progress_events = (
+            (header(exchange.scope, b"x-relay-progress") or "").strip() == "events")
+        self.call, self.plan = call, plan
 
-    def _priority(self) -> str:
-        priority = (header(self.scope, b"x-relay-priority") or "normal").strip().lower()
-        if priority not in PRIORITIES:
-            raise RelayError("invalid_request", f"X-Relay-Priority must be one of "
-                             f"{', '.join(PRIORITIES)}, not {priority!r}")
-        return priority
-
-    async def _run(self, call: Call, plan: Plan, priority: str) -> None:
-        record = self.record
+    async def run(self, exchange: Exchange, nursery: trio.Nursery, stop: RequestStop
+                  ) -> None:
+        assert self.call is not None and self.plan is not None
         out, events = trio.open_memory_channel[Any](CHANNEL_SIZE)
-        writer = (StreamWriter if call.stream else JSONWriter)(self, plan.targets[0].name)
-        stop = RequestStop()
-        dispatcher = Dispatcher(self.relay, plan, call, priority, record, stop, call.stream)
-        self.relay.track(stop)
-        try:
-            async with trio.open_nursery() as nursery:
-                watcher = trio.CancelScope()
-                self.request_scope = nursery.cancel_scope
-                nursery.start_soon(self._watch_disconnect, nursery.cancel_scope, watcher)
-                nursery.start_soon(dispatcher.run, nursery, out)
-                async with events:
-                    await writer.pump(events)
-                # Answered. A timed-out attempt may still be cleaning up beside us: the
-                # request ends when it has (its lane is held until then).
-                watcher.cancel()
-        finally:
-            self.relay.untrack(stop)
-            if stop.requested_at is not None and record.stop_requested_at is None:
-                record.stop_requested_at = stop.requested_at
-            releases = [a.released_at for a in record.attempts if a.released_at is not None]
-            record.released_at = max(releases) if releases else None
-            timeouts = [r for r in dispatcher.runs if r.error is not None
-                        and r.error.phase == "timeout" and r.stopped_at is not None]
-            if timeouts and record.stop_requested_at is None:
-                record.stop_requested_at = timeouts[0].stopped_at
-        if self.client_gone:
-            record.status, record.reason, record.phase = 499, "client_disconnected", "stop"
+        writer = (StreamWriter if self.call.stream else JSONWriter)(
+            exchange, self.plan.targets[0].name)
+        self.dispatcher = Dispatcher(exchange.relay, self.plan, self.call, self.priority,
+                                     exchange.record, stop, self.call.stream)
+        nursery.start_soon(self.dispatcher.run, nursery, out)
+        async with events:
+            await writer.pump(events)
 
-    def drop_client(self) -> None:
-        """The client takes nothing: stop the request as if it had left."""
-        self.client_gone = True
-        if self.record.stop_requested_at is None:
-            self.record.stop_requested_at = trio.current_time()
-        self.request_scope.cancel()
-
-    async def _watch_disconnect(self, request_scope: trio.CancelScope,
-                                watcher: trio.CancelScope) -> None:
-        with watcher:
-            while (await self.receive())["type"] != "http.disconnect":
-                pass
-        if watcher.cancelled_caught:
-            return
-        if self.answered:
-            return
-        self.client_gone = True
-        if self.record.stop_requested_at is None:
-            self.record.stop_requested_at = trio.current_time()
-        request_scope.cancel()
-
-
+    def finish(self, exchange: Exchange, stop: RequestStop) -> None:
+        record = exchange.record
+        releases = [a.released_at for a in record.attempts if a.released_at is not None]
+        record.released_at = max(releases) if releases else None
+        runs = self.dispatcher.runs if self.dispatcher is not None else []
+        timeouts = [r for r in runs if r.error is not None
+                    and r.error.phase == "timeout" and r.stopped_at is not None]
+        if timeouts and record.stop_requested_at is None:
+            record.stop_requested_at = timeouts[0].stopped_at

@@ -26,12 +26,15 @@ from relay.dialects.openai_chat import OPENAI, parse_chat_body
 from relay.engine.dispatch import Dispatcher
 from relay.engine.plan import Plan, make_plan
 from relay.engine.stops import RequestStop
-from relay.front.chat import CHANNEL_SIZE, ChatRequest
 from relay.vocab.errors import RelayError
 from relay.vocab.events import AttemptStarted, Call, Delta, Ended, Finish, Skipped, Usage
 from relay.vocab.records import Record
 
-__all__ = ["FanoutRequest"]
+from .chat import CHANNEL_SIZE, priority_of, refuse_when_draining
+from .exchange import Exchange
+from .writers import COALESCE_MAX
+
+__all__ = ["Fanout"]
 
 MAX_MODELS = 16
 
@@ -45,10 +48,17 @@ class _Branch:
     result: dict[str, Any] | None = None
 
 
-class FanoutRequest(ChatRequest):
-    """A chat request run against several models at once (see the module docstring)."""
+@attrs.define(eq=False)
+class Fanout:
+    """The `Handler` of a fan-out request (see the module docstring): one dispatcher per
+    model, all under the exchange's one nursery and stop handle."""
 
-    def _prepare(self, body: bytes) -> tuple[Call, Plan, str]:
+    branches: list[_Branch] = attrs.field(factory=list)
+    base_call: Call | None = None
+    priority: str = "normal"
+    stream: bool = False
+
+    def prepare(self, exchange: Exchange, body: bytes) -> None:
         try:
             raw = json.loads(body)
         except (ValueError, RecursionError):
@@ -64,63 +74,46 @@ class FanoutRequest(ChatRequest):
         raw = {k: v for k, v in raw.items() if k != "models"}
         raw["model"] = models[0]
         data = parse_chat_body(json.dumps(raw).encode())
-        priority = super()._priority()
-        if self.relay.draining:
-            raise RelayError("shutting_down", "relay is shutting down and takes no new "
-                             "requests; retry when it is back", retry_after_s=5.0)
-        self.record.priority = priority
-        self.record.stream = bool(data.get("stream", False))
-        self.record.route = "(fanout)"
-        self.record.model = ",".join(models)
+        self.priority = priority_of(exchange)
+        refuse_when_draining(exchange)
+        record = exchange.record
+        self.stream = record.stream = bool(data.get("stream", False))
+        record.route = "(fanout)"
+        record.model = ",".join(models)
         params = {k: v for k, v in data.items()
                   if k not in ("model", "messages", "stream", "fallbacks")}
-        self.branches = []
         for i, name in enumerate(models):
-            plan = make_plan(self.relay, name, data.get("fallbacks"))
+            plan = make_plan(exchange.relay, name, data.get("fallbacks"))
             target = plan.targets[0]
-            call = Call(request_id=f"{self.record.id}.{i}", provider=target.provider.name,
+            call = Call(request_id=f"{record.id}.{i}", provider=target.provider.name,
                         model=target.model, messages=data["messages"],
-                        stream=self.record.stream, params=params)
+                        stream=self.stream, params=params)
             if len(plan.targets) == 1:
                 target.provider.adapter.check_call(call)
-            record = Record(id=call.request_id, started_at=self.record.started_at,
-                            priority=priority, stream=self.record.stream)
-            self.branches.append(_Branch(i, name, plan, record))
-        self.base_call = Call(request_id=self.record.id, provider="", model="",
-                              messages=data["messages"], stream=self.record.stream,
-                              params=params)
-        return self.base_call, self.branches[0].plan, priority
+            branch_record = Record(id=call.request_id, started_at=record.started_at,
+                                   priority=self.priority, stream=self.stream)
+            self.branches.append(_Branch(i, name, plan, branch_record))
+        self.base_call = Call(request_id=record.id, provider="", model="",
+                              messages=data["messages"], stream=self.stream, params=params)
 
-    async def _run(self, call: Call, plan: Plan, priority: str) -> None:
-        stop = RequestStop()
-        self.relay.track(stop)
+    async def run(self, exchange: Exchange, nursery: trio.Nursery, stop: RequestStop
+                  ) -> None:
         send_bytes, recv_bytes = trio.open_memory_channel[bytes](CHANNEL_SIZE)
-        try:
-            async with trio.open_nursery() as nursery:
-                watcher = trio.CancelScope()
-                nursery.start_soon(self._watch_disconnect, nursery.cancel_scope, watcher)
-                async with send_bytes:
-                    for branch in self.branches:
-                        nursery.start_soon(self._branch, nursery, branch, priority, stop,
-                                           send_bytes.clone())
-                if call.stream:
-                    await self._stream_out(recv_bytes)
-                else:
-                    async with recv_bytes:
-                        async for _ in recv_bytes:
-                            pass  # every branch has ended when the channel closes
-                    results = [b.result for b in self.branches]
-                    await self.send_json(200, {"object": "relay.fanout", "results": results})
-                watcher.cancel()
-        finally:
-            self.relay.untrack(stop)
-            self._merge_records(stop)
-        if self.client_gone:
-            self.record.status, self.record.reason, self.record.phase = (
-                499, "client_disconnected", "stop")
+        async with send_bytes:
+            for branch in self.branches:
+                nursery.start_soon(self._branch, exchange, nursery, branch, stop,
+                                   send_bytes.clone())
+        if self.stream:
+            await self._stream_out(exchange, recv_bytes)
+        else:
+            async with recv_bytes:
+                async for _ in recv_bytes:
+                    pass  # every branch has ended when the channel closes
+            results = [b.result for b in self.branches]
+            await exchange.send_json(200, {"object": "relay.fanout", "results": results})
 
-    def _merge_records(self, stop: RequestStop) -> None:
-        record = self.record
+    def finish(self, exchange: Exchange, stop: RequestStop) -> None:
+        record = exchange.record
         for branch in self.branches:
             record.attempts.extend(branch.record.attempts)
             record.fallback_triggered |= branch.record.fallback_triggered
@@ -128,19 +121,18 @@ class FanoutRequest(ChatRequest):
                 record.skipped_events.extend(branch.record.skipped_events)
         releases = [a.released_at for a in record.attempts if a.released_at is not None]
         record.released_at = max(releases) if releases else None
-        if stop.requested_at is not None and record.stop_requested_at is None:
-            record.stop_requested_at = stop.requested_at
 
-    async def _branch(self, nursery: trio.Nursery, branch: _Branch, priority: str,
+    async def _branch(self, exchange: Exchange, nursery: trio.Nursery, branch: _Branch,
                       stop: RequestStop, out: trio.MemorySendChannel[bytes]) -> None:
         """One model: its own dispatcher; its events folded into tagged SSE events (or,
         for a plain request, into one result)."""
         events_out, events = trio.open_memory_channel[Any](CHANNEL_SIZE)
         target = branch.plan.targets[0]
+        assert self.base_call is not None
         call = attrs.evolve(self.base_call, request_id=branch.record.id,
                             provider=target.provider.name, model=target.model)
-        dispatcher = Dispatcher(self.relay, branch.plan, call, priority, branch.record,
-                                stop, self.record.stream)
+        dispatcher = Dispatcher(exchange.relay, branch.plan, call, self.priority,
+                                branch.record, stop, self.stream)
         nursery.start_soon(dispatcher.run, nursery, events_out)
         tag = {"model": branch.name, "index": branch.index}
         choices: dict[int, dict[str, Any]] = {}
@@ -161,7 +153,7 @@ class FanoutRequest(ChatRequest):
                     else:
                         choices.setdefault(event.index, new_choice(event.index))[
                             "finish_reason"] = event.reason
-                    if self.record.stream:
+                    if self.stream:
                         await out.send(_event({**tag, "chunk": _chunk(
                             branch.record.id, created, model, event)}))
                 elif isinstance(event, Usage):
@@ -178,19 +170,20 @@ class FanoutRequest(ChatRequest):
                         answer = Answer(id=branch.record.id, created=created, model=model,
                                         choices=choices, usage=usage)
                         branch.result = {**tag, "ok": True, "response": OPENAI.render(answer)}
-                    if self.record.stream:
+                    if self.stream:
                         final = ({**tag, "error": branch.result["error"]} if error
                                  else {**tag, "done": True,
                                        "usage": usage.as_dict() if usage else None})
                         await out.send(_event(final))
                     return
 
-    async def _stream_out(self, chunks: trio.MemoryReceiveChannel[bytes]) -> None:
-        heartbeat_s = self.server.heartbeat_s
-        await self.send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache")]})
-        self.headers_sent = True
+    async def _stream_out(self, exchange: Exchange,
+                          chunks: trio.MemoryReceiveChannel[bytes]) -> None:
+        """The branches' events as one SSE stream: the exchange's bounded writes (a reader
+        that takes nothing is dropped, SPEC C3), heartbeats, and the chunks that are ready
+        together coalesced into one send, as chat streams do."""
+        heartbeat_s = exchange.server.heartbeat_s
+        await exchange.start_stream()
         async with chunks:
             while True:
                 data = None
@@ -203,16 +196,14 @@ class FanoutRequest(ChatRequest):
                     data = b": keepalive\n\n"
                 else:
                     batch = [data]
-                    while True:
+                    while len(batch) < COALESCE_MAX:
                         try:
                             batch.append(chunks.receive_nowait())
                         except (trio.WouldBlock, trio.EndOfChannel):
                             break
                     data = b"".join(batch)
-                await self.send({"type": "http.response.body", "body": data,
-                                 "more_body": True})
-        await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n",
-                         "more_body": False})
+                await exchange.write(data)
+        await exchange.write(b"data: [DONE]\n\n", more=False)
 
 
 def _event(obj: dict[str, Any]) -> bytes:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import secrets
-from importlib import resources
+from importlib.resources import files
 
 from quart import Response
 
@@ -26,7 +26,7 @@ __all__ = ["page_response"]
 
 @functools.cache
 def _template() -> str:
-    return resources.files("relay").joinpath("status.html").read_text(encoding="utf-8")
+    return files("relay").joinpath("status.html").read_text(encoding="utf-8")
 
 
 def page_response() -> Response:

@@ -52,21 +52,23 @@ WAITING_NOTICE_S = 2.0
 
 
 class Responder(Protocol):
-    """What a writer needs of the request it answers (`relay.front.chat.ChatRequest`)."""
+    """What a writer needs of the request it answers (`relay.front.exchange.Exchange`)."""
 
     dialect: Dialect
     record: Record
     server: ServerConfig
-    headers_sent: bool
     include_usage: bool
     progress_events: bool
+
+    @property
+    def headers_sent(self) -> bool: ...
 
     async def send(self, message: Message) -> None: ...
     async def send_json(self, status: int, obj: Any,
                         headers: list[tuple[bytes, bytes]] | None = None) -> None: ...
     async def send_error(self, error: RelayError) -> None: ...
     def fail(self, error: RelayError) -> None: ...
-    def drop_client(self) -> None: ...
+    async def write(self, data: bytes, *, more: bool = True) -> None: ...
 
 
 class _Writer:
@@ -130,7 +132,6 @@ class StreamWriter(_Writer):
     def __init__(self, request: Responder, model: str) -> None:
         super().__init__(request, model)
         self.heartbeat_s = request.server.heartbeat_s
-        self.write_timeout_s = request.server.write_timeout_s
         self.last_write = trio.current_time()
         self.queued_at: float | None = None
         # The statistics of the lane we wait in, while we wait.
@@ -139,24 +140,8 @@ class StreamWriter(_Writer):
                                             request.include_usage)
         self.encoder.begin(model)
 
-    async def _start(self) -> None:
-        if not self.request.headers_sent:
-            self.request.headers_sent = True
-            await self.send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8"),
-                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
-
     async def _write(self, data: bytes, *, more: bool = True) -> None:
-        # The server layer bounds each socket write (write_timeout_s); this bound is for
-        # what it cannot see, e.g. an HTTP/2 stream waiting on flow control: a reader that
-        # takes nothing for longer is dropped like one that left (SPEC C3).
-        with trio.move_on_after(self.write_timeout_s + 1.0) as bounded:
-            await self._start()
-            await self.send({"type": "http.response.body", "body": data,
-                             "more_body": more})
-        if bounded.cancelled_caught:
-            self.request.drop_client()
-            await trio.lowlevel.checkpoint()   # the request's scope is cancelled: stop here
+        await self.request.write(data, more=more)  # headers first; bounded (SPEC C3)
         self.last_write = trio.current_time()
 
     def _waiting_notice(self) -> bytes:
