@@ -18,10 +18,19 @@ kill) goes on beside the next attempt, holding its own lane until it ends; the r
 only when every attempt has (its record's ``released_at`` is the last release).
 
 What may fall back is decided by the error's reason (`FALLBACK_ON`, F2); what may be
-retried on the same target by `RETRY_ON` (never after a timeout or a 4xx). Once part of a
-streamed answer has reached the client, the next attempt must continue from it (an
-assistant prefill) on a provider that can (``prefill``); otherwise the stream ends with an
-in-band error — never as a complete answer (F8).
+retried on the same target by `RETRY_ON` (never after a timeout or a 4xx), and only
+after a Retry-After that fits what bounds the request (F4). Once part of a streamed
+answer has reached the client, the next attempt must continue from it (an assistant
+prefill) on a provider that can (``prefill``); otherwise the stream ends with an in-band
+error — never as a complete answer (F8). A stream whose every choice has had its finish
+handed over is complete: a failure after that ends it as it is.
+
+Nothing is counted before it has happened: the sink counts an event as sent once the
+writer has been handed it (a hand-over a timeout cancels is not sent, and the dispatcher
+lets a half-done one settle before it reads what was); an attempt is recorded once the
+writer has been told it begins; queue time is recorded however the wait ended. The
+writer's waiting notices (A2) follow `Queued`/`Started`, which are never dropped: a
+`Started` that matters waits for room, a `Queued` that finds none goes when there is.
 """
 
 from __future__ import annotations
