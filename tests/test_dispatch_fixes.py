@@ -199,6 +199,9 @@ async def test_the_stall_limit_still_fires_on_a_silent_provider(
 
 
 # --- 4. lane notices: never dropped on a full channel ---------------------------------------
+# These place events in the request's channel exactly: they assume its size is 64
+# (CHANNEL_SIZE in the front). The writer takes piece 0, blocks writing piece 1, so a
+# primary that fails after N pieces leaves N - 2 events behind.
 
 async def occupy(r: Relay, nursery: trio.Nursery, provider: str, model: str) -> None:
     """Hold ``provider``'s only lane with a plain request for ``model``."""
