@@ -18,10 +18,19 @@ kill) goes on beside the next attempt, holding its own lane until it ends; the r
 only when every attempt has (its record's ``released_at`` is the last release).
 
 What may fall back is decided by the error's reason (`FALLBACK_ON`, F2); what may be
-retried on the same target by `RETRY_ON` (never after a timeout or a 4xx). Once part of a
-streamed answer has reached the client, the next attempt must continue from it (an
-assistant prefill) on a provider that can (``prefill``); otherwise the stream ends with an
-in-band error — never as a complete answer (F8).
+retried on the same target by `RETRY_ON` (never after a timeout or a 4xx), and only
+after a Retry-After that fits what bounds the request (F4). Once part of a streamed
+answer has reached the client, the next attempt must continue from it (an assistant
+prefill) on a provider that can (``prefill``); otherwise the stream ends with an in-band
+error — never as a complete answer (F8). A stream whose every choice has had its finish
+handed over is complete: a failure after that ends it as it is.
+
+Nothing is counted before it has happened: the sink counts an event as sent once the
+writer has been handed it (a hand-over a timeout cancels is not sent, and the dispatcher
+lets a half-done one settle before it reads what was); an attempt is recorded once the
+writer has been told it begins; queue time is recorded however the wait ended. The
+writer's waiting notices (A2) follow `Queued`/`Started`, which are never dropped: a
+`Started` that matters waits for room, a `Queued` that finds none goes when there is.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -73,21 +83,32 @@ class Delivered:
 
 
 class AttemptSink:
-    """What an adapter sends into. Forwards events to the writer, tracks progress (text
-    sent, first and last token), and drops everything once the attempt is over."""
+    """What an adapter sends into. Forwards events to the writer, tracks progress, and
+    drops everything once the attempt is over.
 
-    def __init__(self, out: trio.MemorySendChannel[Any]) -> None:
+    What it counts as sent — choice 0's text (for a prefill), other output, the choices
+    opened and finished — is what the writer has been handed, never an event whose
+    hand-over was cancelled: a fallback continues after exactly what reached the client
+    (F8). The token times are the provider's progress: while a send waits for a slow
+    client the adapter cannot read its upstream, so the stall clock starts again when the
+    writer takes the event (a slow reader is waited for, SPEC C3; the writer bounds it).
+    """
+
+    def __init__(self, out: trio.MemorySendChannel[Any],
+                 wake: Callable[[], None] | None = None) -> None:
         self._out = out
+        # Tells the dispatcher its deadlines changed: on the first token (the first-token
+        # limit ends) and when a blocked send completes (the stall clock starts again).
+        # Later tokens only push the stall deadline on, which it re-checks when it wakes.
+        self._wake = wake or (lambda: None)
         self.open_choices: set[int] = set()
         self.finished: set[int] = set()
         self.closed = False
-        self.pieces: list[str] = []  # choice 0's text accepted so far (for a prefill)
+        self.pieces: list[str] = []  # choice 0's text handed to the writer (for a prefill)
         self.other_output = False  # tool calls or extra fields: cannot be continued
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
-        # Called on the first token: the dispatcher's deadlines change then. Later
-        # tokens only push the stall deadline on, which it re-checks when it wakes.
-        self.on_first_token: Any = None
+        self._in_flight: trio.Event | None = None  # set when a blocked send has ended
 
     async def send(self, event: Any) -> None:
         if self.closed:
@@ -95,13 +116,35 @@ class AttemptSink:
             # never used. Its scope is cancelled too; this only makes sure.
             raise trio.ClosedResourceError("this attempt is over; its results are void")
         if isinstance(event, Delta):
-            self.open_choices.add(event.index)
             now = trio.current_time()
+            self.last_token_at = now
             if self.first_token_at is None:
                 self.first_token_at = now
-                if self.on_first_token is not None:
-                    self.on_first_token()
-            self.last_token_at = now
+                self._wake()
+        # Hand the event over without a trip through the scheduler when the channel has
+        # room: the writer then wakes to a batch it can coalesce into one send. The
+        # adapter's next read of the network is its checkpoint; a full channel (a slow
+        # client) still blocks here, so backpressure holds.
+        try:
+            self._out.send_nowait(event)
+        except trio.WouldBlock:
+            await self._send_blocked(event)
+        self._handed_over(event)  # not reached when the hand-over was cancelled
+
+    async def _send_blocked(self, event: Any) -> None:
+        done = self._in_flight = trio.Event()
+        try:
+            await self._out.send(event)
+        finally:
+            self._in_flight = None
+            done.set()
+            if self.last_token_at is not None:
+                self.last_token_at = trio.current_time()
+            self._wake()
+
+    def _handed_over(self, event: Any) -> None:
+        if isinstance(event, Delta):
+            self.open_choices.add(event.index)
             if event.content and event.index == 0:
                 self.pieces.append(event.content)  # joined only when read: no O(n²)
             if event.tool_calls or event.extra or event.index != 0:
@@ -109,33 +152,26 @@ class AttemptSink:
         elif isinstance(event, Finish):
             self.open_choices.add(event.index)
             self.finished.add(event.index)
-        # Hand the event over without a trip through the scheduler when the channel has
-        # room: the writer then wakes to a batch it can coalesce into one send. The
-        # adapter's next read of the network is its checkpoint; a full channel (a slow
-        # client) still blocks here, so backpressure holds.
-        try:
-            self._out.send_nowait(event)
-            return
-        except trio.WouldBlock:
-            pass
-        await self._out.send(event)
+
+    @property
+    def blocked(self) -> bool:
+        """A send is waiting for the writer (the client reads slowly)."""
+        return self._in_flight is not None
+
+    async def settle(self) -> None:
+        """Return once no send is half done. Call it after cancelling the attempt: a
+        blocked send then either completes (the writer had already taken the event) or is
+        abandoned, within a tick — only then does the sink say what was sent."""
+        if self._in_flight is not None:
+            await self._in_flight.wait()
 
     @property
     def text(self) -> str:
         return "".join(self.pieces)
 
-    def tell(self, event: Any) -> None:
-        """A notice from the lane (queued, started): never blocks, dropped once closed."""
-        if not self.closed:
-            try:
-                self._out.send_nowait(event)
-            except trio.WouldBlock:
-                pass  # the writer also reads the lane's statistics on its own
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                pass  # the request is already over (its writer has gone)
-
     @property
     def complete(self) -> bool:
+        """Every choice the writer was handed has been handed its finish too."""
         return bool(self.finished) and self.open_choices <= self.finished
 
 
@@ -149,10 +185,15 @@ class _Run:
     record: Attempt
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     changed: trio.Event = attrs.field(factory=trio.Event)
+    queued_at: float | None = None  # when it joined its provider's queue (it had to wait)
+    notice: trio.CancelScope | None = None  # a Queued notice still on its way to the writer
     running_since: float | None = None
     run_deadline: float = math.inf
     finished_at: float | None = None
     stopped_at: float | None = None  # when the dispatcher stopped it (a timeout)
+    # The dispatcher has decided this attempt's outcome itself (it timed out, or its
+    # answer had already reached the client whole): its task no longer writes one.
+    left: bool = False
     error: RelayError | None = None
 
     def poke(self) -> None:
@@ -173,9 +214,16 @@ class Dispatcher:
         self.stop = stop
         self.stream = stream
         self.runs: list[_Run] = []
+        # Lane notices (A2). True from the moment the writer may have been told that this
+        # request waits in a queue (a `Queued` sent, or on its way) until it is told the
+        # wait is over: the next grant must say so, even if it has to wait for room.
+        self._waiting = False
+        self._nursery: trio.Nursery | None = None
+        self._out: trio.MemorySendChannel[Any] | None = None
 
     async def run(self, nursery: trio.Nursery, out: trio.MemorySendChannel[Any]) -> None:
         """Try the plan's targets; send the writer its events and, last, `Ended`."""
+        self._nursery, self._out = nursery, out
         async with out:
             with self.stop.open_scope():
                 error = await self._try_all(nursery, out)
@@ -186,6 +234,7 @@ class Dispatcher:
             for run in self.runs:
                 run.sink.closed = True
                 run.scope.cancel()
+                self._drop_notice(run)
             await out.send(Ended(self.stop.error))
 
     async def _try_all(self, nursery: trio.Nursery,
@@ -215,6 +264,9 @@ class Dispatcher:
                         "budget_exhausted", f"route {route.name if route else ''!r} used "
                         f"its whole budget of {budget:g} s before {target.name} could be "
                         "tried", provider=target.provider.name), original)
+                # The writer hears of the attempt first; only then is it counted (the
+                # record, the log): a request stopped before it began shows no attempt.
+                await out.send(AttemptStarted(target.name, continues=sent.any))
                 if self.record.attempts:
                     self.record.fallback_triggered |= target.role == "fallback"
                     if attempt_no == 0 and target.role == "fallback":
@@ -232,8 +284,11 @@ class Dispatcher:
                 if run.error.reason not in RETRY_ON or attempt_no == self.plan.retries:
                     break
                 wait = run.error.retry_after_s or 0.0
-                if trio.current_time() + wait >= deadline:
-                    break                     # Retry-After does not fit: move on at once
+                if not self._retry_fits(target, wait, deadline):
+                    logger.info("retry_skipped request=%s target=%s: its Retry-After of "
+                                "%g s does not fit what bounds the request",
+                                self.record.id, target.name, wait)
+                    break                     # fall back at once, or fail with it
                 call = self._call_for(target, sent)
                 if call is None:
                     break
@@ -242,6 +297,16 @@ class Dispatcher:
             if last.reason not in FALLBACK_ON:
                 break
         return self._final(last, original)
+
+    def _retry_fits(self, target: Target, wait: float, deadline: float) -> bool:
+        """F4: the wait before a retry is time spent waiting for the provider, so it must
+        fit inside what bounds the request — the route's budget, and the provider's own
+        longest wait (``queue_timeout_s``), which bounds it when the route sets no
+        timeouts. A wait that does not fit is not slept: the error (and its Retry-After)
+        goes to the next target or to the client."""
+        if wait > target.provider.config.profile.queue_timeout_s:
+            return False
+        return trio.current_time() + wait < deadline
 
     def _call_for(self, target: Target, sent: Delivered) -> Call | None:
         """The call for ``target``: the request as sent, or — when part of a streamed
@@ -284,12 +349,10 @@ class Dispatcher:
                          started=now)
         self.record.attempts.append(record)
         self.record.provider, self.record.model = target.provider.name, target.model
-        sink = AttemptSink(out)
+        sink = AttemptSink(out, wake=lambda: run.poke())
         sink.pieces, sink.other_output = [sent.text], sent.other_output
         run = _Run(target, call, sink, record)
-        sink.on_first_token = run.poke
         self.runs.append(run)
-        await out.send(AttemptStarted(target.name, continues=sent.any))
         own = self.plan.timeout_for(target)
         own_deadline = now + own if own is not None else math.inf
         nursery.start_soon(self._run_attempt, run)
@@ -304,7 +367,9 @@ class Dispatcher:
                 if route.first_token_timeout_s is not None and sink.first_token_at is None:
                     limits.append((run.running_since + route.first_token_timeout_s,
                                    "first_token_timeout"))
-                if route.stall_timeout_s is not None and sink.last_token_at is not None:
+                # No stall while relay waits for the client: the sink wakes us after.
+                if (route.stall_timeout_s is not None and sink.last_token_at is not None
+                        and not sink.blocked):
                     limits.append((sink.last_token_at + route.stall_timeout_s,
                                    "stall_timeout"))
             when, reason = min(limits)
@@ -312,24 +377,47 @@ class Dispatcher:
             with trio.move_on_at(when):
                 await changed.wait()
             if run.finished_at is None and trio.current_time() >= when and self._expired(
-                    run, when, reason):
+                    run, reason):
+                run.left = True
                 run.error = self._timeout(run, reason, own, budget_deadline)
                 run.record.failure = run.error.reason
                 run.stopped_at = when
                 run.scope.cancel()          # its cleanup goes on beside what comes next
                 sink.closed = True
+                self._drop_notice(run)
+                # A hand-over the cancel caught half done completes or is void within a
+                # tick; only then is it known what reached the client.
+                await sink.settle()
                 break
+        if (run.error is not None and self.stream and sink.complete
+                and run.record.failure != "stopped"):
+            # The client already has the whole answer and its finish; what failed is the
+            # tail (usage, [DONE], the connection's end). Continuing it, or an error after
+            # a finish, would break an answer that is complete: it ends here.
+            self._accept(run)
         if self.stream:  # a plain answer reaches the client only at the end
             sent.text, sent.other_output = sink.text, sink.other_output
         self._log(run)
         return run
 
-    def _expired(self, run: _Run, when: float, reason: str) -> bool:
-        # Progress may have pushed a stall deadline on while we slept: look again.
-        if reason == "stall_timeout" and run.sink.last_token_at is not None:
+    def _accept(self, run: _Run) -> None:
+        assert run.error is not None
+        logger.info("attempt_answered request=%s target=%s: the client had the whole answer "
+                    "and its finish before %s (%s); the answer ends there", self.record.id,
+                    run.target.name, run.error.reason, run.error.message)
+        run.left = True
+        run.error = None
+        run.record.ok, run.record.failure = True, None
+
+    def _expired(self, run: _Run, reason: str) -> bool:
+        # Progress may have pushed a stall deadline on while we slept, or the sink may
+        # be waiting for the client: look again.
+        if reason == "stall_timeout":
             route = self.plan.route
+            last = run.sink.last_token_at
             assert route is not None and route.stall_timeout_s is not None
-            return trio.current_time() >= run.sink.last_token_at + route.stall_timeout_s
+            return (last is not None and not run.sink.blocked
+                    and trio.current_time() >= last + route.stall_timeout_s)
         return True
 
     def _timeout(self, run: _Run, reason: str, own: float | None,
@@ -367,18 +455,23 @@ class Dispatcher:
             # back: a reload that retires the adapter closes it only after that.
             with run.scope, provider.handle.use() as adapter:
                 async with provider.lane.slot(
-                        self.priority,
-                        on_queued=lambda: run.sink.tell(Queued(provider.lane.statistics))
-                ) as ticket:
+                        self.priority, on_queued=lambda: self._queued(run)) as ticket:
+                    self._drop_notice(run)  # it waits no more
                     self.record.queue_ms = round((self.record.queue_ms or 0.0)
                                                  + ticket.queue_s * 1000, 3)
-                    run.sink.tell(Started())
-                    run.running_since = trio.current_time()
-                    run_s = provider.config.profile.run_timeout_s
-                    run.run_deadline = run.running_since + run_s
-                    run.poke()
                     # The run timeout is one of the deadlines the dispatcher watches: at
                     # it, the dispatcher names the failure and cancels ``run.scope``.
+                    run.run_deadline = (trio.current_time()
+                                        + provider.config.profile.run_timeout_s)
+                    if self._waiting:
+                        # The writer may be sending waiting notices: it must hear that the
+                        # wait is over (never dropped), before any token of this attempt.
+                        run.poke()
+                        assert self._out is not None
+                        await self._out.send(Started())
+                        self._waiting = False
+                    run.running_since = trio.current_time()
+                    run.poke()
                     await adapter.run(run.call, run.sink)
                     if not run.sink.complete:
                         raise RelayError("stream_cut", f"provider {provider.name!r} ended "
@@ -396,14 +489,20 @@ class Dispatcher:
                                f"for request {self.record.id}", provider=provider.name)
         finally:
             now = trio.current_time()
+            self._drop_notice(run)
             attempt = run.record
             attempt.duration_ms = round((now - attempt.started) * 1000, 3)
+            if ticket is None and run.queued_at is not None:
+                # It waited and never got a slot (a queue timeout, its own timeout, the
+                # client gone): that wait is queue time all the same (seed 000).
+                self.record.queue_ms = round((self.record.queue_ms or 0.0)
+                                             + (now - run.queued_at) * 1000, 3)
             if ticket is not None and ticket.released_at is not None:
                 attempt.released_at = ticket.released_at
                 if ticket.started_at is not None:  # summed over the attempts
                     self.record.run_ms = round((self.record.run_ms or 0.0) + (
                         ticket.released_at - ticket.started_at) * 1000, 3)
-            if run.error is None:        # the dispatcher has not given up on it
+            if not run.left:        # the dispatcher has not decided for it
                 if error is None and not finished:
                     # Stopped from outside: the client left, or a drain. Not a failure of
                     # the provider's: the record says "stopped".
@@ -418,6 +517,43 @@ class Dispatcher:
             run.sink.closed = True
             run.finished_at = now
             run.poke()
+
+    # --- lane notices to the writer (A2) ----------------------------------------------------
+
+    def _queued(self, run: _Run) -> None:
+        """The attempt has to wait in its provider's queue (the lane calls this at once,
+        synchronously): tell the writer, so it sends waiting notices."""
+        run.queued_at = trio.current_time()
+        if run.sink.closed:
+            return
+        assert self._out is not None and self._nursery is not None
+        notice = Queued(run.target.provider.lane.statistics)
+        self._waiting = True  # told now or later: the grant must end the notices
+        try:
+            self._out.send_nowait(notice)
+            return
+        except trio.WouldBlock:
+            pass
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return  # the request is already over (its writer has gone)
+        # The writer is behind (a slow client): the notice goes as soon as there is room,
+        # unless the wait ends first (`_drop_notice`).
+        run.notice = trio.CancelScope()
+        self._nursery.start_soon(self._send_late, run.notice, notice)
+
+    async def _send_late(self, scope: trio.CancelScope, notice: Queued) -> None:
+        assert self._out is not None
+        with scope:
+            try:
+                await self._out.send(notice)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                pass  # the request is over
+
+    @staticmethod
+    def _drop_notice(run: _Run) -> None:
+        if run.notice is not None:
+            run.notice.cancel()
+            run.notice = None
 
     def _check_response(self, run: _Run) -> None:
         """F8: a response check is part of the attempt. JSON modes must give JSON."""
