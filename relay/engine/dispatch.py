@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -46,8 +45,10 @@ import trio
 
 from relay.engine.plan import Plan, Target
 from relay.vocab.errors import RelayError
-from relay.vocab.events import AttemptStarted, Call, Delta, Ended, Finish, Queued, Started
+from relay.vocab.events import AttemptStarted, Call, Ended, Queued, Started
 from relay.vocab.records import Attempt, Record
+
+from .attempt import AttemptSink, Delivered, Run
 
 if TYPE_CHECKING:
     from relay.engine.engine import Engine
@@ -68,139 +69,6 @@ FALLBACK_ON = frozenset({
 RETRY_ON = frozenset({"rate_limited", "upstream_error", "upstream_unavailable", "stream_cut"})
 
 
-# --- one attempt ----------------------------------------------------------------------------
-
-@attrs.define
-class Delivered:
-    """What of a streamed answer has reached the client, across attempts."""
-
-    text: str = ""              # choice 0's text
-    other_output: bool = False  # tool calls, extra fields, more choices: not continuable
-
-    @property
-    def any(self) -> bool:
-        return bool(self.text) or self.other_output
-
-
-class AttemptSink:
-    """What an adapter sends into. Forwards events to the writer, tracks progress, and
-    drops everything once the attempt is over.
-
-    What it counts as sent — choice 0's text (for a prefill), other output, the choices
-    opened and finished — is what the writer has been handed, never an event whose
-    hand-over was cancelled: a fallback continues after exactly what reached the client
-    (F8). The token times are the provider's progress: while a send waits for a slow
-    client the adapter cannot read its upstream, so the stall clock starts again when the
-    writer takes the event (a slow reader is waited for, SPEC C3; the writer bounds it).
-    """
-
-    def __init__(self, out: trio.MemorySendChannel[Any],
-                 wake: Callable[[], None] | None = None) -> None:
-        self._out = out
-        # Tells the dispatcher its deadlines changed: on the first token (the first-token
-        # limit ends) and when a blocked send completes (the stall clock starts again).
-        # Later tokens only push the stall deadline on, which it re-checks when it wakes.
-        self._wake = wake or (lambda: None)
-        self.open_choices: set[int] = set()
-        self.finished: set[int] = set()
-        self.closed = False
-        self.pieces: list[str] = []  # choice 0's text handed to the writer (for a prefill)
-        self.other_output = False  # tool calls or extra fields: cannot be continued
-        self.first_token_at: float | None = None
-        self.last_token_at: float | None = None
-        self._in_flight: trio.Event | None = None  # set when a blocked send has ended
-
-    async def send(self, event: Any) -> None:
-        if self.closed:
-            # The attempt was left (timed out, or the request moved on): a late result is
-            # never used. Its scope is cancelled too; this only makes sure.
-            raise trio.ClosedResourceError("this attempt is over; its results are void")
-        if isinstance(event, Delta):
-            now = trio.current_time()
-            self.last_token_at = now
-            if self.first_token_at is None:
-                self.first_token_at = now
-                self._wake()
-        # Hand the event over without a trip through the scheduler when the channel has
-        # room: the writer then wakes to a batch it can coalesce into one send. The
-        # adapter's next read of the network is its checkpoint; a full channel (a slow
-        # client) still blocks here, so backpressure holds.
-        try:
-            self._out.send_nowait(event)
-        except trio.WouldBlock:
-            await self._send_blocked(event)
-        self._handed_over(event)  # not reached when the hand-over was cancelled
-
-    async def _send_blocked(self, event: Any) -> None:
-        done = self._in_flight = trio.Event()
-        try:
-            await self._out.send(event)
-        finally:
-            self._in_flight = None
-            done.set()
-            if self.last_token_at is not None:
-                self.last_token_at = trio.current_time()
-            self._wake()
-
-    def _handed_over(self, event: Any) -> None:
-        if isinstance(event, Delta):
-            self.open_choices.add(event.index)
-            if event.content and event.index == 0:
-                self.pieces.append(event.content)  # joined only when read: no O(n²)
-            if event.tool_calls or event.extra or event.index != 0:
-                self.other_output = True
-        elif isinstance(event, Finish):
-            self.open_choices.add(event.index)
-            self.finished.add(event.index)
-
-    @property
-    def blocked(self) -> bool:
-        """A send is waiting for the writer (the client reads slowly)."""
-        return self._in_flight is not None
-
-    async def settle(self) -> None:
-        """Return once no send is half done. Call it after cancelling the attempt: a
-        blocked send then either completes (the writer had already taken the event) or is
-        abandoned, within a tick — only then does the sink say what was sent."""
-        if self._in_flight is not None:
-            await self._in_flight.wait()
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-    @property
-    def complete(self) -> bool:
-        """Every choice the writer was handed has been handed its finish too."""
-        return bool(self.finished) and self.open_choices <= self.finished
-
-
-@attrs.define(eq=False)
-class _Run:
-    """One attempt in flight, as the dispatcher sees it."""
-
-    target: Target
-    call: Call
-    sink: AttemptSink
-    record: Attempt
-    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    changed: trio.Event = attrs.field(factory=trio.Event)
-    queued_at: float | None = None  # when it joined its provider's queue (it had to wait)
-    notice: trio.CancelScope | None = None  # a Queued notice still on its way to the writer
-    running_since: float | None = None
-    run_deadline: float = math.inf
-    finished_at: float | None = None
-    stopped_at: float | None = None  # when the dispatcher stopped it (a timeout)
-    # The dispatcher has decided this attempt's outcome itself (it timed out, or its
-    # answer had already reached the client whole): its task no longer writes one.
-    left: bool = False
-    error: RelayError | None = None
-
-    def poke(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
-
-
 # --- the dispatcher -------------------------------------------------------------------------
 
 class Dispatcher:
@@ -213,7 +81,7 @@ class Dispatcher:
         self.record = record
         self.stop = stop
         self.stream = stream
-        self.runs: list[_Run] = []
+        self.runs: list[Run] = []
         # Lane notices (A2). True from the moment the writer may have been told that this
         # request waits in a queue (a `Queued` sent, or on its way) until it is told the
         # wait is over: the next grant must say so, even if it has to wait for room.
@@ -343,7 +211,7 @@ class Dispatcher:
 
     async def _attempt(self, nursery: trio.Nursery, out: trio.MemorySendChannel[Any],
                        target: Target, call: Call, sent: Delivered,
-                       budget_deadline: float) -> _Run:
+                       budget_deadline: float) -> Run:
         now = trio.current_time()
         record = Attempt(provider=target.provider.name, model=target.model, role=target.role,
                          started=now)
@@ -351,7 +219,7 @@ class Dispatcher:
         self.record.provider, self.record.model = target.provider.name, target.model
         sink = AttemptSink(out, wake=lambda: run.poke())
         sink.pieces, sink.other_output = [sent.text], sent.other_output
-        run = _Run(target, call, sink, record)
+        run = Run(target, call, sink, record)
         self.runs.append(run)
         own = self.plan.timeout_for(target)
         own_deadline = now + own if own is not None else math.inf
@@ -400,7 +268,7 @@ class Dispatcher:
         self._log(run)
         return run
 
-    def _accept(self, run: _Run) -> None:
+    def _accept(self, run: Run) -> None:
         assert run.error is not None
         logger.info("attempt_answered request=%s target=%s: the client had the whole answer "
                     "and its finish before %s (%s); the answer ends there", self.record.id,
@@ -409,7 +277,7 @@ class Dispatcher:
         run.error = None
         run.record.ok, run.record.failure = True, None
 
-    def _expired(self, run: _Run, reason: str) -> bool:
+    def _expired(self, run: Run, reason: str) -> bool:
         # Progress may have pushed a stall deadline on while we slept, or the sink may
         # be waiting for the client: look again.
         if reason == "stall_timeout":
@@ -420,7 +288,7 @@ class Dispatcher:
                     and trio.current_time() >= last + route.stall_timeout_s)
         return True
 
-    def _timeout(self, run: _Run, reason: str, own: float | None,
+    def _timeout(self, run: Run, reason: str, own: float | None,
                  budget_deadline: float) -> RelayError:
         name = run.target.name
         provider = run.target.provider.name
@@ -443,7 +311,7 @@ class Dispatcher:
                     else "")
         return RelayError(reason, f"{said.rstrip()}; it was stopped", provider=provider)
 
-    async def _run_attempt(self, run: _Run) -> None:
+    async def _run_attempt(self, run: Run) -> None:
         """One attempt's task: lane slot, run-timeout scope, adapter. Its outcome is
         written into ``run``; the dispatcher may have moved on long before it ends."""
         provider = run.target.provider
@@ -520,7 +388,7 @@ class Dispatcher:
 
     # --- lane notices to the writer (A2) ----------------------------------------------------
 
-    def _queued(self, run: _Run) -> None:
+    def _queued(self, run: Run) -> None:
         """The attempt has to wait in its provider's queue (the lane calls this at once,
         synchronously): tell the writer, so it sends waiting notices."""
         run.queued_at = trio.current_time()
@@ -550,12 +418,12 @@ class Dispatcher:
                 pass  # the request is over
 
     @staticmethod
-    def _drop_notice(run: _Run) -> None:
+    def _drop_notice(run: Run) -> None:
         if run.notice is not None:
             run.notice.cancel()
             run.notice = None
 
-    def _check_response(self, run: _Run) -> None:
+    def _check_response(self, run: Run) -> None:
         """F8: a response check is part of the attempt. JSON modes must give JSON."""
         fmt = run.call.params.get("response_format")
         if self.stream or not isinstance(fmt, dict):
@@ -568,7 +436,7 @@ class Dispatcher:
                                  f"for JSON ({fmt['type']}) and answered text that is not "
                                  "JSON", provider=run.target.provider.name) from exc
 
-    def _log(self, run: _Run) -> None:
+    def _log(self, run: Run) -> None:
         a = run.record
         logger.info("attempt_completed request=%s target=%s role=%s ok=%s failure=%s "
                     "duration_ms=%s", self.record.id, run.target.name, a.role,
