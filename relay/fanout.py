@@ -25,7 +25,7 @@ from .dispatch import AttemptStarted, Dispatcher, Ended, Plan, make_plan
 from .errors import RelayError
 from .events import Call, Delta, Finish, Skipped, Usage
 from .front import CHANNEL_SIZE, ChatRequest
-from .openai_api import OPENAI, parse_chat_body
+from .openai_api import OPENAI, load_json, parse_chat_body
 from .records import Record
 from .writers import Answer, dumps, merge_delta, new_choice
 
@@ -50,10 +50,7 @@ class FanoutRequest(ChatRequest):
     """A chat request run against several models at once (see the module docstring)."""
 
     def _prepare(self, body: bytes) -> tuple[Call, Plan, str]:
-        try:
-            raw = json.loads(body)
-        except (ValueError, RecursionError):
-            raw = None
+        raw = load_json(body)  # finite numbers, bounded nesting (SPEC A1)
         models = raw.get("models") if isinstance(raw, dict) else None
         if (not isinstance(models, list) or not models or len(models) > MAX_MODELS
                 or not all(isinstance(m, str) and m for m in models)):
