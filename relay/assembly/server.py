@@ -10,6 +10,14 @@ its request sees ``http.disconnect`` and stops like any other. The subclass is h
 embedding program's own hypercorn servers are unaffected). hypercorn is pinned (0.18.*)
 and a test drives a stalled reader through it.
 
+The same subclass makes every connection close when it should — on ``Connection: close``,
+for HTTP/1.0, and after ``KEEP_ALIVE_TIMEOUT_S`` idle — whatever app answered it. hypercorn
+closes a connection (or arms its keep-alive timer) from inside the app's last ``send``,
+just after it has told the app ``http.disconnect``; quart-trio cancels its request on that
+message, so those steps were cancelled and the connection stayed open until the client
+left (a file descriptor per poller, until relay could accept nothing). They run shielded,
+with a deadline; tests/test_front_hostile.py pins it.
+
 Shutdown: `serve_http` stops accepting when ``shutdown`` is set, lets idle keep-alive
 connections close, drains the relay (grace, then ``shutting_down``), and returns. A
 cancel of the caller's scope stops everything at once (SPEC O2).
@@ -24,7 +32,7 @@ from typing import Any
 import attrs
 import trio
 from hypercorn.config import Config as HyperConfig
-from hypercorn.events import Closed, RawData
+from hypercorn.events import Closed, RawData, Updated
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
@@ -34,9 +42,15 @@ from relay.config import Config
 
 from .relay import Relay, open_relay
 
-__all__ = ["BoundedWriteTCPServer", "Served", "serve", "serve_http"]
+__all__ = ["KEEP_ALIVE_TIMEOUT_S", "BoundedWriteTCPServer", "Served", "serve", "serve_http"]
 
 logger = logging.getLogger(__name__)
+
+# How long closing a connection (or arming its keep-alive timer) may take once it is
+# shielded: these touch only the local socket and hypercorn's own task group.
+CLOSE_TIMEOUT_S = 1.0
+# An idle keep-alive connection is closed after this long (hypercorn's default, named).
+KEEP_ALIVE_TIMEOUT_S = 5.0
 
 
 class BoundedWriteTCPServer(TCPServer):
@@ -47,6 +61,15 @@ class BoundedWriteTCPServer(TCPServer):
         self.write_timeout_s = write_timeout_s
 
     async def protocol_send(self, event: Any) -> None:
+        if isinstance(event, Closed | Updated):
+            # hypercorn sends these from inside the app's last ``send``, after it has put
+            # ``http.disconnect`` in the app's queue. quart-trio cancels its request
+            # nursery on that message, so the close (``send_eof()`` checkpoints) or the
+            # keep-alive timer (a lock) would be cancelled before it ran, and the
+            # connection would stay open until the client left. Both are quick and local.
+            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+                await super().protocol_send(event)
+            return
         if not isinstance(event, RawData):
             await super().protocol_send(event)
             return
@@ -87,6 +110,7 @@ async def serve_http(
     cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     cfg.accesslog = None
     cfg.read_timeout = None  # it runs while a response streams and would cut it
+    cfg.keep_alive_timeout = KEEP_ALIVE_TIMEOUT_S
     # (hypercorn's graceful_timeout is not used: relay runs its own accept loop and its
     # own drain, `Relay.drain`, then cancels what is left.)
     app = wrap_app(relay.app, cfg.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]

@@ -10,15 +10,23 @@ everything else passes through to the adapter as ``params``. Other dialects (Ant
 from __future__ import annotations
 
 import json
-from typing import Any
+import math
+from typing import Any, NoReturn
 
 from relay.dialects.base import Answer, ChatInput, dumps
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Delta, Finish, Usage
 
-__all__ = ["INT_MAX", "OPENAI", "OpenAIDialect", "bad_request", "load_request", "parse_chat_body"]
+__all__ = ["INT_MAX", "MAX_JSON_DEPTH", "OPENAI", "OpenAIDialect", "bad_request", "load_json",
+           "load_request", "parse_chat_body"]
 
 INT_MAX = 2**31 - 1
+# How deep a request body may nest (objects and arrays; the body itself is level 1). Real
+# requests, JSON schemas of tools included, stay far below it; relay and every encoder
+# after it (httpx, the dialects, the records) take it with room to spare on the stack.
+MAX_JSON_DEPTH = 128
+_CONTAINERS = {dict, list}
+_NUMBERS = {int, float, bool}
 
 
 def bad_request(message: str, param: str | None = None) -> RelayError:
@@ -28,8 +36,14 @@ def bad_request(message: str, param: str | None = None) -> RelayError:
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
-def load_request(body: bytes) -> dict[str, Any]:
-    """A request body as a JSON object naming a ``model`` (every dialect starts here).
+def load_json(body: bytes) -> Any:
+    """A request body as JSON that every encoder down the line can write back.
+
+    Python's parser takes ``NaN``, ``Infinity`` and ``1e999`` (as ``inf``), which no
+    provider accepts and httpx refuses to encode; and it nests as deep as the interpreter's
+    stack allows, deeper than an encoder running further down that stack can. So both are
+    refused here, naming where: numbers must be finite, and containers (objects and arrays)
+    nest at most `MAX_JSON_DEPTH` levels (the body's own object is level 1).
 
     Raises:
         RelayError: ``invalid_request``.
@@ -37,9 +51,92 @@ def load_request(body: bytes) -> dict[str, Any]:
     try:
         data = json.loads(body)
     except RecursionError as exc:
-        raise bad_request("the JSON body is nested too deeply") from exc
+        raise bad_request(f"the JSON body is nested too deeply (the limit is "
+                          f"{MAX_JSON_DEPTH} levels)") from exc
     except ValueError as exc:  # includes invalid UTF-8
         raise bad_request(f"the body is not valid JSON: {exc}") from exc
+    if not _fits(data):
+        _refuse(data)
+    return data
+
+
+def _fits(data: Any) -> bool:
+    """Whether every number in ``data`` is finite and it nests at most `MAX_JSON_DEPTH`
+    levels: one level at a time, with the common cases decided at C speed."""
+    if isinstance(data, float):
+        return math.isfinite(data)
+    level = [data] if isinstance(data, dict | list) else []
+    depth = 0
+    while level:
+        depth += 1
+        below: list[Any] = []
+        for container in level:
+            children = container.values() if isinstance(container, dict) else container
+            kinds = set(map(type, children))
+            if not _all_finite(children, kinds):
+                return False
+            if not kinds.isdisjoint(_CONTAINERS):
+                if depth >= MAX_JSON_DEPTH:
+                    return False
+                below += [x for x in children if type(x) is dict or type(x) is list]
+        level = below
+    return True
+
+
+def _all_finite(values: Any, kinds: set[type]) -> bool:
+    if float not in kinds:
+        return True
+    if kinds <= _NUMBERS:
+        return all(map(math.isfinite, values))  # at C speed
+    return all(math.isfinite(x) for x in values if type(x) is float)
+
+
+def _refuse(data: Any) -> NoReturn:
+    """Name the first place where ``data`` does not fit (`_fits` said it does not).
+
+    Raises:
+        RelayError: ``invalid_request``, always.
+    """
+    if not isinstance(data, dict | list):
+        raise bad_request(f"the body must be a finite number, not {data!r}")
+    # Depth first, with an explicit stack: (value, depth, parent entry, key in the parent).
+    stack: list[tuple[Any, int, Any, str | int | None]] = [(data, 1, None, None)]
+    while stack:
+        entry = stack.pop()
+        value, depth = entry[0], entry[1]
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if isinstance(item, dict | list):
+                if depth >= MAX_JSON_DEPTH:
+                    where, param = _where(entry, key)
+                    raise bad_request(f"the JSON body nests deeper than {MAX_JSON_DEPTH} "
+                                      f"levels (at {where})", param)
+                stack.append((item, depth + 1, entry, key))
+            elif isinstance(item, float) and not math.isfinite(item):
+                where, param = _where(entry, key)
+                raise bad_request(f"'{where}' must be a finite number, not {item!r} (JSON "
+                                  "has no NaN or Infinity; 1e999 overflows)", param)
+    raise AssertionError("_refuse: the body fits")
+
+
+def _where(entry: tuple[Any, int, Any, str | int | None],
+           key: str | int) -> tuple[str, str | None]:
+    """The path to ``key`` inside ``entry`` (``messages[0].content``), and its top field."""
+    keys: list[Any] = [key]
+    while entry[2] is not None:
+        keys.append(entry[3])
+        entry = entry[2]
+    keys.reverse()
+    path = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in keys).lstrip(".")
+    return path, keys[0] if isinstance(keys[0], str) else None
+
+
+def load_request(body: bytes) -> dict[str, Any]:
+    """A request body as a JSON object naming a ``model`` (every dialect starts here).
+
+    Raises:
+        RelayError: ``invalid_request``.
+    """
+    data = load_json(body)
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
     model = data.get("model")

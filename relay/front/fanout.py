@@ -22,7 +22,7 @@ import attrs
 import trio
 
 from relay.dialects.base import Answer, dumps, merge_delta, new_choice
-from relay.dialects.openai_chat import OPENAI, parse_chat_body
+from relay.dialects.openai_chat import OPENAI, load_json, parse_chat_body
 from relay.engine.dispatch import Dispatcher
 from relay.engine.plan import Plan, make_plan
 from relay.engine.stops import RequestStop
@@ -59,10 +59,7 @@ class Fanout:
     stream: bool = False
 
     def prepare(self, exchange: Exchange, body: bytes) -> None:
-        try:
-            raw = json.loads(body)
-        except (ValueError, RecursionError):
-            raw = None
+        raw = load_json(body)  # finite numbers, bounded nesting (SPEC A1)
         models = raw.get("models") if isinstance(raw, dict) else None
         if (not isinstance(models, list) or not models or len(models) > MAX_MODELS
                 or not all(isinstance(m, str) and m for m in models)):

@@ -8,6 +8,7 @@ a deadline, and the request id. The inner app gets the whole body at once, then 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import secrets
 from collections.abc import Awaitable, Callable
@@ -29,10 +30,28 @@ if TYPE_CHECKING:
 __all__ = ["Guard"]
 
 
-def _host_name(host: str) -> str:
+def _host_name(host: str) -> str | None:
+    """The name in a Host header, or None when the header is not ``name[:digits]``.
+
+    ``name`` is a bracketed IPv6 literal (no zone) or a name without ``:``, ``[``, ``]``,
+    ``@`` or ``/``; whatever follows it must be a ``:`` and a port number, or nothing.
+    """
     if host.startswith("["):
-        return host[1:].partition("]")[0]
-    return host.rpartition(":")[0] if host.count(":") == 1 else host
+        name, bracket, port = host[1:].partition("]")
+        try:
+            ipaddress.IPv6Address(name)
+        except ValueError:
+            return None
+        if not bracket or "%" in name:
+            return None
+    else:
+        name = host.partition(":")[0]
+        port = host[len(name):]
+        if not name or any(c in name for c in "[]@/\\ "):
+            return None
+    if port and not (port[0] == ":" and port[1:].isascii() and port[1:].isdigit()):
+        return None
+    return name
 
 
 class Guard:
@@ -96,8 +115,9 @@ class Guard:
         if host is None and self.loopback:
             return RelayError("bad_host", "a request without a Host header is not accepted")
         if host is not None:
-            name = _host_name(host.strip()).lower()
-            if not (is_loopback_host(name) or (not self.loopback and name in self.allowed_hosts)):
+            name = _host_name(host.strip())
+            if name is None or not (is_loopback_host(name.lower()) or (
+                    not self.loopback and name.lower() in self.allowed_hosts)):
                 return RelayError("bad_host", f"Host {host!r} is not accepted: relay answers "
                                   "only requests addressed to its own loopback name (a "
                                   "foreign Host is how DNS rebinding attacks look)")

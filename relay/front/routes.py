@@ -76,9 +76,13 @@ def make_quart_app(relay: Engine, metrics_: Metrics) -> QuartTrio:
     async def recent_requests() -> Response:
         """The last records, newest first (``?limit=N``, at most 200): the status page's."""
         limit = request.args.get("limit", "50")
-        if not limit.isdigit():
-            return _error(RelayError("invalid_request", "limit must be a whole number"))
-        recent = relay.records.recent[-min(int(limit), 200):] if int(limit) else []
+        # ASCII digits only: str.isdigit() is true for '²', which int() refuses.
+        if not (limit.isascii() and limit.isdigit()):
+            return _error(RelayError("invalid_request", "limit must be a whole number",
+                                     param="limit"))
+        digits = limit.lstrip("0")
+        count = 200 if len(digits) > 3 else min(int(digits or "0"), 200)
+        recent = relay.records.recent[-count:] if count else []
         return Response(_json({"requests": recent[::-1]}), content_type="application/json")
 
     @app.get("/metrics")
