@@ -254,3 +254,220 @@ async def test_a_paced_free_slot_is_not_left_idle(nursery: trio.Nursery,
     await trio.sleep(20)
     assert started == [31.0]                           # not left idle until someone leaves
     release_c.set()
+
+
+async def test_a_paced_free_slot_is_handed_on_when_the_woken_head_leaves(
+        nursery: trio.Nursery, autojump_clock: trio.abc.Clock) -> None:
+    # Found by the lane fuzz: a slot freed before the pacer's next start wakes only the
+    # head of the queue, to sleep until that start. When the head then left (client gone,
+    # or its queue timeout), nobody else was woken: D below, waiting without a deadline,
+    # failed provider_queue_timeout at t=41 with running=0 instead of starting at t=22.
+    ln = lane(lanes=1, rpm=6.0, queue_timeout_s=30)    # one start per 10 s
+    t0 = trio.current_time()
+    release_a, release_h = trio.Event(), trio.Event()
+    await nursery.start(hold, ln, release_a)           # A starts at 0: next start at 10
+    await trio.sleep(11)
+    outcome: dict[str, float | str] = {}
+
+    async def waiter(name: str, priority: str, scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                async with ln.slot(priority):
+                    outcome[name] = trio.current_time() - t0
+            except RelayError as exc:
+                outcome[name] = f"{exc.reason} at {trio.current_time() - t0:g}"
+
+    nursery.start_soon(waiter, "D", "normal", trio.CancelScope())   # t=11: no pacer wait
+    await trio.testing.wait_all_tasks_blocked()
+    nursery.start_soon(functools.partial(hold, ln, release_h, priority="interactive"))
+    await trio.testing.wait_all_tasks_blocked()
+    x_scope = trio.CancelScope()
+    nursery.start_soon(waiter, "X", "interactive", x_scope)         # ahead of D
+    await trio.testing.wait_all_tasks_blocked()
+    await trio.sleep(1)
+    release_a.set()            # t=12: H starts (the pacer allows); next start at 22
+    await trio.sleep(1)
+    release_h.set()            # t=13: a free slot, paced: X, the head, waits for t=22
+    await trio.sleep(1)
+    x_scope.cancel()           # t=14: X's client leaves
+    await trio.sleep(40)
+    assert outcome == {"D": 22.0}
+    assert (ln.statistics().running, ln.statistics().queued) == (0, 0)
+
+
+async def test_a_grant_handed_straight_back_is_not_a_paced_start(
+        nursery: trio.Nursery, autojump_clock: trio.abc.Clock) -> None:
+    # Found by the lane fuzz: a waiter cancelled in the very tick it was granted a slot
+    # gave the slot back, but the pacer counted its start, so the next waiter sat beside
+    # the free slot for a whole pacer interval.
+    ln = lane(lanes=1, rpm=6.0, queue_timeout_s=100)   # one start per 10 s
+    t0 = trio.current_time()
+    started: list[float] = []
+    first_scope = trio.CancelScope()
+
+    async def waiter(scope: trio.CancelScope) -> None:
+        with scope:
+            async with ln.slot():
+                started.append(trio.current_time() - t0)
+
+    async with ln.slot():                              # starts at 0
+        nursery.start_soon(waiter, first_scope)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(waiter, trio.CancelScope())
+        await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(12)
+        first_scope.cancel()   # in the same tick as the release below: granted, handed back
+    await trio.sleep(30)
+    assert started == [12.0]                           # not 22
+    assert (ln.statistics().running, ln.statistics().queued) == (0, 0)
+
+
+async def test_a_reloaded_rpm_applies_to_the_next_start(
+        nursery: trio.Nursery, autojump_clock: trio.abc.Clock) -> None:
+    # Found by the lane fuzz: the pacer kept the next start computed with the old rpm —
+    # raised from 1 to 60 it still waited out the minute; lowered, it let starts through
+    # faster than the new rpm.
+    ln = lane(lanes=2, rpm=1.0, queue_timeout_s=100)
+    t0 = trio.current_time()
+    started: list[float] = []
+
+    async def one() -> None:
+        async with ln.slot():
+            started.append(trio.current_time() - t0)
+            await trio.sleep(0.1)
+
+    nursery.start_soon(one)                              # starts at 0
+    await trio.sleep(0.5)
+    nursery.start_soon(one)                              # paced: would start at 60
+    await trio.sleep(1.5)
+    ln.update_profile(Profile(lanes=2, queue_max=8, queue_timeout_s=100, run_timeout_s=60,
+                              rpm=60.0))                 # t=2: one start a second
+    await trio.testing.wait_all_tasks_blocked()
+    assert started == [0.0, 2.0]
+    ln.update_profile(Profile(lanes=2, queue_max=8, queue_timeout_s=100, run_timeout_s=60,
+                              rpm=6.0))                  # one start per 10 s, from t=2
+    await trio.sleep(1)
+    nursery.start_soon(one)
+    await trio.sleep(20)
+    assert started == [0.0, 2.0, 12.0]
+
+
+async def test_wait_idle_returns_at_once_when_idle_and_when_the_last_one_leaves(
+        nursery: trio.Nursery, autojump_clock: trio.abc.Clock) -> None:
+    ln = lane(lanes=1, rpm=6.0, queue_timeout_s=5.0)
+    t0 = trio.current_time()
+    await ln.wait_idle()
+    assert trio.current_time() == t0                     # idle: at once
+    returned: list[float] = []
+
+    async def watch(ln: Lane) -> None:
+        await ln.wait_idle()
+        stats = ln.statistics()
+        assert (stats.running, stats.queued) == (0, 0)
+        returned.append(trio.current_time() - t0)
+
+    # The last holder releases.
+    release = trio.Event()
+    await nursery.start(hold, ln, release)               # starts at 0
+    nursery.start_soon(watch, ln)
+    await trio.sleep(1)
+    assert returned == []
+    release.set()
+    await trio.testing.wait_all_tasks_blocked()
+    assert returned == [1.0]
+    # The last waiter (paced: nothing runs) leaves by its queue timeout ...
+    nursery.start_soon(watch, ln)
+    with pytest.raises(RelayError, match="waited 5 s"):
+        async with ln.slot():
+            pass
+    await trio.testing.wait_all_tasks_blocked()
+    assert returned == [1.0, 6.0]
+    # ... or because its client left.
+    nursery.start_soon(watch, ln)
+    with trio.move_on_after(2):
+        async with ln.slot():
+            pass
+    await trio.testing.wait_all_tasks_blocked()
+    assert returned == [1.0, 6.0, 8.0]
+    # Cancelled at the instant of its grant: the slot comes back, the lane is idle.
+    unpaced = lane(lanes=1)
+    release = trio.Event()
+    await nursery.start(hold, unpaced, release)
+    scope = trio.CancelScope()
+
+    async def cancelled_waiter() -> None:
+        with scope:
+            async with unpaced.slot():
+                pytest.fail("cancelled before it could start")
+
+    nursery.start_soon(cancelled_waiter)
+    await trio.sleep(1)
+    nursery.start_soon(watch, unpaced)
+    await trio.testing.wait_all_tasks_blocked()
+    scope.cancel()
+    release.set()
+    await trio.testing.wait_all_tasks_blocked()
+    assert returned == [1.0, 6.0, 8.0, 9.0]
+
+
+async def test_wait_idle_never_returns_while_a_request_runs_or_waits(
+        autojump_clock: trio.abc.Clock) -> None:
+    # It checked the lane, then checkpointed before returning: a request arriving in that
+    # checkpoint took the slot, and wait_idle returned with running=1 (the fuzz saw it).
+    # The order of tasks inside one tick is random in trio, so try it many times.
+    ln = lane(lanes=1, queue_max=4)
+    seen: list[tuple[int, int]] = []
+    for _ in range(40):
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:
+                await ln.wait_idle()
+                seen.append((ln.statistics().running, ln.statistics().queued))
+
+            async with ln.slot():
+                nursery.start_soon(watch)
+                await trio.testing.wait_all_tasks_blocked()
+            # Released: the watcher is woken; a new request arrives in the same tick.
+            await trio.lowlevel.checkpoint()
+            async with ln.slot():
+                await trio.sleep(1)
+    assert seen == [(0, 0)] * 40
+
+
+async def test_a_bad_priority_is_refused_and_leaves_the_lane_idle(
+        nursery: trio.Nursery, autojump_clock: trio.abc.Clock) -> None:
+    ln = lane(lanes=1, queue_max=4)
+    with pytest.raises(ValueError, match="unknown priority 'urgent'"):
+        async with ln.slot("urgent"):   # a free slot: it was taken, priority unchecked
+            pytest.fail("an unknown priority must not run")
+    release = trio.Event()
+    await nursery.start(hold, ln, release)
+    with pytest.raises(ValueError, match="unknown priority 'urgent'"):
+        async with ln.slot("urgent"):   # queued: a KeyError after the lane was marked busy
+            pass
+    release.set()
+    with trio.fail_after(1):
+        await ln.wait_idle()             # it hung: the lane looked busy forever
+
+
+async def test_a_failing_on_queued_callback_leaves_no_ghost_waiter(
+        nursery: trio.Nursery, autojump_clock: trio.abc.Clock) -> None:
+    # on_queued ran after the waiter was queued but outside the try that takes it out
+    # again: if it raised, a ghost stayed queued, was granted the next free slot, and
+    # held it forever.
+    ln = lane(lanes=1, queue_max=4)
+    release = trio.Event()
+    await nursery.start(hold, ln, release)
+
+    def boom() -> None:
+        raise RuntimeError("a bug in the caller's notice")
+
+    with pytest.raises(RuntimeError):
+        async with ln.slot(on_queued=boom):
+            pass
+    assert (ln.statistics().running, ln.statistics().queued) == (1, 0)
+    release.set()
+    await trio.testing.wait_all_tasks_blocked()
+    assert (ln.statistics().running, ln.statistics().queued) == (0, 0)
+    with trio.fail_after(1):
+        async with ln.slot():            # the slot went to no ghost
+            assert ln.statistics().running == 1

@@ -14,9 +14,19 @@ Edges:
 - queue full → ``provider_queue_full`` at once; waited past ``queue_timeout_s`` →
   ``provider_queue_timeout`` (SPEC L7), each with an honest estimate of when to retry;
 - a waiter cancelled in the very tick it is granted a slot hands the slot back (a naive
-  limiter leaks it, notes/trio-stack.md Q5);
+  limiter leaks it, notes/trio-stack.md Q5), and that grant was no start: the pacer
+  forgets it, so the next waiter may start at once;
+- when a slot is free but the pacer says "not yet", only the head of the queue sleeps
+  until the pacer's next start; a waiter that leaves (client gone, its queue timeout)
+  hands off again, so a new head takes over that wait — else the free slot idled until
+  every waiter had timed out;
 - `update_profile` changes capacity and limits in place: running work is never revoked,
-  waiters are granted at once when capacity grows (SPEC L10).
+  waiters are granted at once when capacity grows, a new rpm applies to the next start
+  (SPEC L10);
+- `wait_idle` returns when nothing runs or waits, and the lane is idle when it returns
+  (a provider's adapter is retired only then).
+
+`tests/lane_fuzz.py` checks these rules at every step of random runs (SPEC L7-L10).
 
 All bookkeeping is synchronous between checkpoints, so no lock is needed.
 """
@@ -63,6 +73,10 @@ class _Waiter:
     event: trio.Event = attrs.field(factory=trio.Event)
     granted: bool = False
     cancelled: bool = False
+    # Set at the grant: the start it counts as, and the pacer's last start before it, so
+    # that a grant handed straight back (cancelled in the same tick) is not a start.
+    start_no: int = 0
+    paced_from: float = -math.inf
 
     def __lt__(self, other: _Waiter) -> bool:
         return (self.rank, self.seq) < (other.rank, other.seq)
@@ -78,7 +92,10 @@ class Lane:
         self._live = 0  # waiters neither granted nor cancelled
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
-        self._next_start = -math.inf  # the pacer's earliest next start
+        # The pacer (SPEC L9): when the last request started, and how many have; the next
+        # start is due 60 / rpm after the last one, with the rpm of the current profile.
+        self._last_start = -math.inf
+        self._starts = 0
         # A running average of how long a slot is held, for honest Retry-After figures.
         self._avg_run_s = expected_run_s
         self._idle = trio.Event()
@@ -88,16 +105,26 @@ class Lane:
     def profile(self) -> Profile:
         return self._profile
 
+    @property
+    def _next_start(self) -> float:
+        """The pacer's earliest next start (-inf when unpaced)."""
+        rpm = self._profile.rpm
+        return self._last_start + 60.0 / rpm if rpm > 0 else -math.inf
+
     def update_profile(self, profile: Profile) -> None:
-        """Apply a reloaded profile in place: never revokes a running slot."""
+        """Apply a reloaded profile in place: never revokes a running slot. A new rpm
+        applies at once (the next start is due 60 / rpm after the last one)."""
         self._profile = profile
         self._hand_off()
 
     async def wait_idle(self) -> None:
-        """Return once nothing runs or waits here (a removed provider's last request)."""
+        """Return once nothing runs or waits here: no slot held, no waiter (a removed
+        provider's last request has ended). When it returns the lane *is* idle, at that
+        moment: the check and the return are one synchronous step, so a caller can retire
+        what the lane guards before anything else runs. (It always checkpoints first.)"""
+        await trio.lowlevel.checkpoint()
         while not (self._borrowed == 0 and self._live == 0):
             await self._idle.wait()
-        await trio.lowlevel.checkpoint()
 
     def _busy(self) -> None:
         if self._idle.is_set():
@@ -141,6 +168,9 @@ class Lane:
             self._release(ticket)
 
     async def _acquire(self, priority: str, on_queued: Callable[[], None] | None) -> Ticket:
+        rank = PRIORITIES.get(priority)
+        if rank is None:  # before any bookkeeping: a lane must not look busy after it
+            raise ValueError(f"unknown priority {priority!r}; one of {', '.join(PRIORITIES)}")
         await trio.lowlevel.checkpoint_if_cancelled()
         now = trio.current_time()
         ticket = Ticket(priority=priority, queued_at=now)
@@ -153,12 +183,12 @@ class Lane:
             self._maybe_idle()
             raise self._capacity_error("provider_queue_full")
 
-        waiter = _Waiter(PRIORITIES[priority], next(self._seq))
+        waiter = _Waiter(rank, next(self._seq))
         heapq.heappush(self._heap, waiter)
         self._live += 1
-        if on_queued is not None:
-            on_queued()
         try:
+            if on_queued is not None:
+                on_queued()  # inside the try: if it raises, the waiter still leaves
             with trio.move_on_at(now + self._profile.queue_timeout_s):
                 while not waiter.granted:
                     # Woken by a grant, by the pacer's next start, or (the head of the
@@ -173,6 +203,7 @@ class Lane:
             # Cancelled from outside (client gone, shutdown) or anything else. Granted in
             # the same tick? Then the slot is ours and must go back, or it leaks.
             if waiter.granted:
+                self._unstart(waiter)
                 self._give_back()
             else:
                 self._forget(waiter)
@@ -186,11 +217,14 @@ class Lane:
     def _take(self, ticket: Ticket, now: float) -> None:
         self._borrowed += 1
         ticket.started_at = now
-        self._pace(now)
+        self._last_start = now
+        self._starts += 1
 
-    def _pace(self, now: float) -> None:
-        if self._profile.rpm > 0:
-            self._next_start = now + 60.0 / self._profile.rpm
+    def _unstart(self, waiter: _Waiter) -> None:
+        """A grant handed straight back was no start: the pacer forgets it, unless
+        another request has started since."""
+        if self._starts == waiter.start_no:
+            self._last_start = waiter.paced_from
 
     def _hand_off(self) -> None:
         """Give free slots to the first waiters, as far as the pacer allows."""
@@ -211,12 +245,18 @@ class Lane:
             self._borrowed += 1
             self._live -= 1
             waiter.granted = True
+            waiter.paced_from = self._last_start
+            self._last_start = now
+            self._starts += 1
+            waiter.start_no = self._starts
             waiter.event.set()
-            self._pace(now)
 
     def _forget(self, waiter: _Waiter) -> None:
         waiter.cancelled = True
         self._live -= 1
+        # It may have been the head, woken to sleep until the pacer's next start for a
+        # free slot: hand off again, or that slot idles until every waiter times out.
+        self._hand_off()
         self._maybe_idle()
         if len(self._heap) > 2 * self._live + 16:  # lazy deletion: compact now and then
             self._heap = [w for w in self._heap if not w.cancelled]

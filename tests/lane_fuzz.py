@@ -1,0 +1,502 @@
+"""A randomized lane fuzz on virtual time (SPEC L6-L10): the engine.
+
+Theory of operation. One seed makes one run: a random profile, random arrivals (each with
+a priority, a run time and sometimes a client that leaves after a while), random profile
+reloads (`update_profile`: lanes, queue_max, queue_timeout_s, rpm), and two same-tick
+races on purpose: a holder that, as it gives its slot back, cancels the waiter about to be
+granted it (just before or just after the release), and a holder that makes a new request
+arrive in the very tick it releases. Times are drawn on a 0.5 s grid in half the seeds, so
+queue timeouts, pacer starts and releases often fall in one tick.
+
+Everything runs on a `trio.testing.MockClock` that jumps to the next deadline. A checker
+task wakes at every virtual instant at which anything happens, waits until every other
+task is blocked (the state is settled for that instant) and checks:
+
+- ``idle``: a free slot never idles while someone waits and the pacer allows a start (the
+  pacer as the profile defines it: 60 / rpm after the last start);
+- ``leak``: the lane's running/queued equal the clients inside a slot / waiting (a grant
+  that races a cancel leaks no slot, a waiter that left is not counted);
+- ``overdue``: no one waits past their queue timeout;
+- ``wait_idle``: while nothing runs or waits, no `wait_idle()` caller is still blocked.
+
+And at each event:
+
+- ``capacity``: a start never makes running exceed the lanes;
+- ``pacer``: two starts are never closer than 60 / rpm;
+- ``queue_max``: a request is queued only while fewer than queue_max wait, and refused
+  with ``provider_queue_full`` only when queue_max already wait;
+- ``timeout``: ``provider_queue_timeout`` comes exactly ``queue_timeout_s`` after arrival;
+- ``wait_idle``: when `wait_idle()` returns, nothing runs or waits;
+- ``order`` (checked at the end, over the whole history): no request starts while another
+  one that waits since an earlier instant has a better (priority, arrival) key and starts
+  or leaves only later — priority order, FIFO within a class, no barging;
+- ``end``: 0 running and 0 queued at the end, and `wait_idle()` returns.
+
+The interface is a factory: an async context manager that, given a profile, yields the
+lane object(s) under test. Several objects must share one state (a shared lane, SPEC L11:
+one per relay); arrivals go to a random one, reloads to all. A lane object offers
+``slot(priority, on_queued=...)``, ``statistics()`` (running, capacity, queued,
+queue_max — global numbers for a shared lane), ``update_profile(profile)`` and
+``wait_idle()``. ``on_queued`` must be called synchronously when the request joins the
+queue (the fuzz reads a request's arrival order from it). The engine drives virtual time,
+so a shared implementation must run against an in-process store.
+
+Used by ``tests/test_lane_fuzz.py`` (a fixed set of seeds) and ``python -m bench.lane_fuzz``
+(the long form).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Protocol
+
+import attrs
+import trio
+import trio.lowlevel
+import trio.testing
+
+from relay.config import Profile
+from relay.errors import RelayError
+from relay.lanes import PRIORITIES, Lane
+
+__all__ = ["KINDS", "MUTANTS", "FuzzReport", "LaneFactory", "LaneUnderTest", "Violation",
+           "fuzz_lanes", "local_lane", "run_seed"]
+
+EPS = 1e-9
+KINDS = ("idle", "leak", "overdue", "wait_idle", "capacity", "pacer", "queue_max",
+         "timeout", "order", "error", "end")
+
+
+class _Stats(Protocol):
+    @property
+    def running(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def queued(self) -> int: ...
+    @property
+    def queue_max(self) -> int: ...
+
+
+class LaneUnderTest(Protocol):
+    def slot(self, priority: str = ..., *,
+             on_queued: Callable[[], None] | None = ...) -> AbstractAsyncContextManager[Any]: ...
+    def statistics(self) -> _Stats: ...
+    def update_profile(self, profile: Profile) -> None: ...
+    async def wait_idle(self) -> None: ...
+
+
+LaneFactory = Callable[[Profile], AbstractAsyncContextManager[Sequence[LaneUnderTest]]]
+
+
+@asynccontextmanager
+async def local_lane(profile: Profile) -> AsyncIterator[Sequence[LaneUnderTest]]:
+    """The factory for relay's own (one-process) lane."""
+    yield [Lane("fuzz", profile)]
+
+
+# --- bugs this fuzz found, put back, to show it still sees them -----------------------------
+
+class _ForgetsToHandOff(Lane):
+    """Bug 1: a waiter that leaves does not hand off again (a paced free slot idles)."""
+
+    def _forget(self, waiter: Any) -> None:
+        waiter.cancelled = True
+        self._live -= 1
+        self._maybe_idle()
+
+
+class _CountsHandedBackGrants(Lane):
+    """A grant cancelled in its own tick still counts as a start for the pacer."""
+
+    def _unstart(self, waiter: Any) -> None:
+        pass
+
+
+class _ReturnsIdleTooEarly(Lane):
+    """`wait_idle` checkpoints after its check, so it may return while busy."""
+
+    async def wait_idle(self) -> None:
+        while not (self._borrowed == 0 and self._live == 0):
+            await self._idle.wait()
+        await trio.lowlevel.checkpoint()
+
+
+def _mutant(cls: type[Lane]) -> LaneFactory:
+    @asynccontextmanager
+    async def factory(profile: Profile) -> AsyncIterator[Sequence[LaneUnderTest]]:
+        yield [cls("fuzz", profile)]
+    return factory
+
+
+MUTANTS: dict[str, LaneFactory] = {
+    "forget-no-hand-off": _mutant(_ForgetsToHandOff),
+    "handed-back-grant-paced": _mutant(_CountsHandedBackGrants),
+    "wait-idle-early": _mutant(_ReturnsIdleTooEarly),
+}
+
+
+@attrs.frozen
+class Violation:
+    seed: int
+    at: float
+    kind: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"seed {self.seed} t={self.at:g} {self.kind}: {self.detail}"
+
+
+@attrs.define
+class FuzzReport:
+    seed: int
+    profile: str = ""
+    violations: list[Violation] = attrs.field(factory=list)
+    counts: dict[str, int] = attrs.field(factory=dict)
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counts[key] = self.counts.get(key, 0) + n
+
+
+@attrs.define(eq=False)
+class _Client:
+    n: int
+    priority: str
+    lane: int
+    run_s: float
+    patience_s: float | None
+    arrived_at: float = math.nan
+    timeout_s: float = math.nan
+    order: int | None = None          # arrival order, from on_queued (or at a direct start)
+    queued_at: float | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    left_at: float | None = None      # left without a slot: refused, timed out, cancelled
+    outcome: str = "new"
+    stats_before: Any = None
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+
+    @property
+    def waiting(self) -> bool:
+        return self.queued_at is not None and self.started_at is None and self.left_at is None
+
+    @property
+    def running(self) -> bool:
+        return self.started_at is not None and self.ended_at is None
+
+    def key(self) -> tuple[int, int]:
+        assert self.order is not None
+        return (PRIORITIES[self.priority], self.order)
+
+
+def _profile_str(p: Profile) -> str:
+    return (f"lanes={p.lanes} queue_max={p.queue_max} queue_timeout_s={p.queue_timeout_s:g} "
+            f"rpm={p.rpm:g}")
+
+
+class _Fuzz:
+    def __init__(self, lanes: Sequence[LaneUnderTest], profile: Profile, seed: int,
+                 rng: random.Random, report: FuzzReport, grid: float | None) -> None:
+        self.lanes = lanes
+        self.profile = profile
+        self.seed = seed
+        self.rng = rng
+        self.report = report
+        self.grid = grid
+        self.clients: list[_Client] = []
+        self.order = 0
+        self.last_start = -math.inf
+        self.idle_watchers = 0
+        # A reload in the same tick as a grant decided before it: that start may still
+        # follow the profile before the reload.
+        self.reloaded_at = -math.inf
+        self.before_reload = profile
+        self.idle_episode = False
+        self.seen_overdue: set[int] = set()
+
+    # --- helpers --------------------------------------------------------------------------
+    def fail(self, kind: str, detail: str) -> None:
+        self.report.violations.append(Violation(self.seed, trio.current_time(), kind, detail))
+
+    def draw(self, low: float, high: float) -> float:
+        x = self.rng.uniform(low, high)
+        if self.grid is not None:
+            x = max(self.grid, round(x / self.grid) * self.grid)
+        return x
+
+    def waiting(self) -> list[_Client]:
+        return [c for c in self.clients if c.waiting]
+
+    def running(self) -> list[_Client]:
+        return [c for c in self.clients if c.running]
+
+    def gap(self) -> float:
+        return 60.0 / self.profile.rpm if self.profile.rpm > 0 else 0.0
+
+    def pacer_allows(self, now: float) -> bool:
+        return self.profile.rpm <= 0 or now >= self.last_start + 60.0 / self.profile.rpm
+
+    def state(self) -> str:
+        stats = self.lanes[0].statistics()
+        waiting = ", ".join(f"#{c.n}({c.priority[:3]} since {c.queued_at:g}, timeout at "
+                            f"{c.arrived_at + c.timeout_s:g})" for c in self.waiting())
+        return (f"lane running={stats.running}/{stats.capacity} queued={stats.queued}; "
+                f"model running={len(self.running())} waiting=[{waiting}]; last start="
+                f"{self.last_start:g}; {_profile_str(self.profile)}")
+
+    # --- one client ---------------------------------------------------------------------
+    def _queued(self, c: _Client) -> None:
+        c.queued_at = trio.current_time()
+        c.order = self.order
+        self.order += 1
+        stats = c.stats_before
+        if stats is not None and stats.queued >= stats.queue_max:
+            self.fail("queue_max", f"#{c.n} was queued with {stats.queued} already queued, "
+                      f"queue_max {stats.queue_max}")
+
+    def _started(self, c: _Client) -> None:
+        now = trio.current_time()
+        if c.order is None:          # started without queueing
+            c.order = self.order
+            self.order += 1
+            c.queued_at = now
+        c.started_at = now
+        c.outcome = "started"
+        self.report.count("started")
+        if c.queued_at is not None and c.queued_at < now:
+            self.report.count("started after waiting")
+        running = len(self.running())
+        lanes, gap = self.profile.lanes, self.gap()
+        if now == self.reloaded_at:
+            old = self.before_reload
+            lanes = max(lanes, old.lanes)
+            gap = min(gap, 60.0 / old.rpm if old.rpm > 0 else 0.0)
+        if running > lanes:
+            self.fail("capacity", f"#{c.n} started with {running} running > lanes "
+                      f"{self.profile.lanes}; {self.state()}")
+        if gap > 0 and now - self.last_start < gap - EPS:
+            self.fail("pacer", f"#{c.n} started {now - self.last_start:g} s after the last "
+                      f"start, the pacer allows one per {self.gap():g} s; {self.state()}")
+        self.last_start = now
+
+    def _race(self, c: _Client) -> None:
+        """As ``c`` gives its slot back: cancel the waiter the lane should grant it to."""
+        waiting = self.waiting()
+        if not waiting:
+            return
+        if self.rng.random() < 0.7:
+            target = min(waiting, key=_Client.key)
+        else:
+            target = self.rng.choice(waiting)
+        target.scope.cancel()
+        target.outcome = "cancelled in a release's tick"
+        self.report.count("cancels at the instant of a grant")
+
+    async def client(self, c: _Client, nursery: trio.Nursery) -> None:
+        lane = self.lanes[c.lane]
+        c.arrived_at = now = trio.current_time()
+        c.timeout_s = self.profile.queue_timeout_s
+        self.clients.append(c)
+        self.report.count("arrivals")
+        if c.patience_s is not None:
+            c.scope.deadline = now + c.patience_s
+        # The lane's own numbers just before it decides (no checkpoint in between).
+        stats = c.stats_before = lane.statistics()
+        race = self.rng.random()
+        try:
+            with c.scope:
+                try:
+                    async with lane.slot(c.priority,
+                                         on_queued=functools.partial(self._queued, c)):
+                        self._started(c)
+                        try:
+                            await trio.sleep(c.run_s)
+                        finally:
+                            if race < 0.10:
+                                self._race(c)          # just before the release
+                            elif race < 0.16:
+                                self.spawn(nursery)    # an arrival in the release's tick
+                            c.ended_at = trio.current_time()
+                    if 0.16 <= race < 0.22:
+                        self._race(c)                  # just after the release
+                except RelayError as exc:
+                    self.refused(c, exc, stats)
+        finally:
+            if c.started_at is None and c.left_at is None:
+                c.left_at = trio.current_time()
+                if c.outcome == "new":
+                    c.outcome = "cancelled while queued" if c.queued_at is not None else (
+                        "cancelled on arrival")
+            if c.running:
+                c.ended_at = trio.current_time()
+        if c.outcome == "cancelled while queued":
+            self.report.count("cancelled while queued")
+        elif c.outcome == "cancelled in a release's tick":
+            self.report.count("left in a release's tick")
+        elif c.scope.cancelled_caught and c.started_at is not None:
+            self.report.count("cancelled while running")
+
+    def refused(self, c: _Client, exc: RelayError, stats: _Stats) -> None:
+        now = trio.current_time()
+        c.left_at = now
+        c.outcome = exc.reason
+        self.report.count(exc.reason)
+        if exc.phase != "capacity" or exc.status != 429 or not exc.retry_after_s:
+            self.fail("error", f"#{c.n}: {exc.reason} with phase {exc.phase}, status "
+                      f"{exc.status}, retry_after_s {exc.retry_after_s}")
+        if exc.reason == "provider_queue_full":
+            if c.queued_at is not None or stats.queued < stats.queue_max:
+                self.fail("queue_max", f"#{c.n} refused as full with {stats.queued} queued, "
+                          f"queue_max {stats.queue_max}")
+        elif exc.reason == "provider_queue_timeout":
+            due = c.arrived_at + c.timeout_s
+            if c.queued_at is None or abs(now - due) > EPS:
+                self.fail("timeout", f"#{c.n} timed out at {now:g}, due at {due:g}")
+        else:
+            self.fail("error", f"#{c.n}: unexpected {exc.reason}: {exc.message}")
+
+    def spawn(self, nursery: trio.Nursery) -> None:
+        rng = self.rng
+        priority = rng.choices(list(PRIORITIES), weights=[2, 5, 3])[0]
+        mean_run = max(0.5, 3.0 * self.profile.queue_timeout_s / 10)
+        run_s = self.draw(0.0, 2 * mean_run)
+        patience = self.draw(0.0, 1.5 * self.profile.queue_timeout_s + mean_run) if (
+            rng.random() < 0.25) else None
+        c = _Client(n=len(self.clients), priority=priority,
+                    lane=rng.randrange(len(self.lanes)), run_s=run_s, patience_s=patience)
+        nursery.start_soon(self.client, c, nursery)
+
+    async def watch_idle(self, lane: LaneUnderTest) -> None:
+        self.idle_watchers += 1
+        try:
+            await lane.wait_idle()
+        finally:
+            self.idle_watchers -= 1
+        stats = lane.statistics()
+        self.report.count("wait_idle returned")
+        if stats.running or stats.queued or self.running() or self.waiting():
+            self.fail("wait_idle", f"wait_idle() returned while not idle; {self.state()}")
+
+    # --- the checker ----------------------------------------------------------------------
+    def check_settled(self) -> None:
+        now = trio.current_time()
+        self.report.count("steps checked")
+        stats = self.lanes[0].statistics()
+        running, waiting = self.running(), self.waiting()
+        if (stats.running, stats.queued) != (len(running), len(waiting)):
+            self.fail("leak", self.state())
+        if stats.capacity != self.profile.lanes:
+            self.fail("leak", f"capacity {stats.capacity} != lanes {self.profile.lanes}")
+        idle = bool(waiting) and len(running) < self.profile.lanes and self.pacer_allows(now)
+        if idle and not self.idle_episode:
+            self.fail("idle", f"a free slot idles while {len(waiting)} wait and the pacer "
+                      f"allows a start; {self.state()}")
+        self.idle_episode = idle
+        for c in waiting:
+            if now > c.arrived_at + c.timeout_s + EPS and c.n not in self.seen_overdue:
+                self.seen_overdue.add(c.n)
+                self.fail("overdue", f"#{c.n} still waits at {now:g}, its queue timeout was "
+                          f"at {c.arrived_at + c.timeout_s:g}; {self.state()}")
+        if not running and not waiting and self.idle_watchers:
+            self.fail("wait_idle", f"nothing runs or waits but {self.idle_watchers} "
+                      "wait_idle() caller(s) still wait")
+
+    async def checker(self) -> None:
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            self.check_settled()
+            ahead = trio.lowlevel.current_statistics().seconds_to_next_deadline
+            if not math.isfinite(ahead):
+                await trio.sleep_forever()
+            await trio.sleep(max(ahead, 0.0))
+
+    def check_order(self) -> None:
+        """Over the whole history: a start never overtakes a better key waiting since
+        an earlier instant (priority order, FIFO within a class, no barging)."""
+        started = [c for c in self.clients if c.started_at is not None]
+        queued = [c for c in self.clients if c.queued_at is not None and c.order is not None]
+        for w in started:
+            assert w.started_at is not None
+            for v in queued:
+                if v is w or v.key() >= w.key():
+                    continue
+                assert v.queued_at is not None
+                out = v.started_at if v.started_at is not None else v.left_at
+                if v.queued_at < w.started_at - EPS and out is not None and (
+                        out > w.started_at + EPS):
+                    self.report.violations.append(Violation(
+                        self.seed, w.started_at, "order",
+                        f"#{w.n} ({w.priority}, arrival {w.order}) started before #{v.n} "
+                        f"({v.priority}, arrival {v.order}), which waited since "
+                        f"{v.queued_at:g} and {v.outcome} at {out:g}"))
+
+
+def _random_profile(rng: random.Random, grid: float | None) -> Profile:
+    timeout = rng.choice([1.0, 2.0, 5.0, 10.0, 30.0])
+    return Profile(lanes=rng.randint(1, 4), queue_max=rng.choice([0, 1, 2, 4, 8, 16, 64]),
+                   queue_timeout_s=timeout, run_timeout_s=600.0,
+                   rpm=rng.choice([0.0, 0.0, 6.0, 12.0, 30.0, 60.0, 120.0]))
+
+
+async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
+                     reload_rpm: bool = True) -> FuzzReport:
+    """One seeded run. Must run on a MockClock that autojumps (threshold 0).
+
+    Args:
+        factory: makes the lane object(s) under test (see the module docstring).
+        seed: everything random in the run follows from it.
+        arrivals: how many requests arrive.
+        reload_rpm: reloads may change rpm too (otherwise only the other fields).
+    """
+    rng = random.Random(seed)
+    grid = 0.5 if seed % 2 == 0 else None
+    profile = _random_profile(rng, grid)
+    report = FuzzReport(seed=seed, profile=_profile_str(profile))
+    async with factory(profile) as lanes:
+        fuzz = _Fuzz(lanes, profile, seed, rng, report, grid)
+        async with trio.open_nursery() as outer:
+            outer.start_soon(fuzz.checker)
+            async with trio.open_nursery() as nursery:
+                load = rng.uniform(0.3, 3.0)  # offered load, in lanes' worth of work
+                for _ in range(arrivals):
+                    mean_run = max(0.5, 3.0 * fuzz.profile.queue_timeout_s / 10)
+                    await trio.sleep(fuzz.draw(0.0, 2 * mean_run / (load * fuzz.profile.lanes)))
+                    fuzz.spawn(nursery)
+                    roll = rng.random()
+                    if roll < 0.04:
+                        fuzz.before_reload, fuzz.reloaded_at = fuzz.profile, trio.current_time()
+                        fresh = _random_profile(rng, grid)
+                        if not reload_rpm:
+                            fresh = attrs.evolve(fresh, rpm=fuzz.profile.rpm)
+                        fuzz.profile = fresh
+                        report.count("profile changes")
+                        for lane in lanes:
+                            lane.update_profile(fuzz.profile)
+                    elif roll < 0.10:
+                        nursery.start_soon(fuzz.watch_idle, rng.choice(lanes))
+            await trio.testing.wait_all_tasks_blocked()
+            fuzz.check_settled()
+            for lane in lanes:
+                stats = lane.statistics()
+                if stats.running or stats.queued:
+                    fuzz.fail("end", f"{stats.running} running, {stats.queued} queued at "
+                              "the end")
+                with trio.move_on_after(1.0) as waited:
+                    await lane.wait_idle()
+                if waited.cancelled_caught:
+                    fuzz.fail("end", "wait_idle() did not return at the end")
+            fuzz.check_order()
+            outer.cancel_scope.cancel()
+    return report
+
+
+def run_seed(factory: LaneFactory = local_lane, seed: int = 0, **kw: Any) -> FuzzReport:
+    """`fuzz_lanes` in a fresh trio run on its own virtual clock."""
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    report: FuzzReport = trio.run(functools.partial(fuzz_lanes, factory, seed, **kw),
+                                  clock=clock)
+    return report
