@@ -59,9 +59,9 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from relay.config import Profile
-from relay.errors import RelayError
-from relay.lanes import PRIORITIES, Lane
+from relay.engine.lanes import PRIORITIES, Lane
+from relay.vocab.errors import RelayError
+from relay.vocab.profile import Profile
 
 __all__ = ["KINDS", "MUTANTS", "FuzzReport", "LaneFactory", "LaneUnderTest", "Violation",
            "fuzz_lanes", "local_lane", "run_seed"]
