@@ -113,6 +113,12 @@ class Conn:
     async def aclose(self) -> None:
         await self.stream.aclose()
 
+    async def __aenter__(self) -> Conn:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stream.aclose()
+
 
 def chat_body(model: str = "fake/echo") -> bytes:
     return json.dumps(chat(model)).encode()
@@ -139,13 +145,12 @@ async def test_connection_close_is_honoured_on_every_route(
         nursery: trio.Nursery, tmp_path: Path, route: str) -> None:
     served = await start_relay(nursery, FAKE_ONLY, tmp_path)
     method, path, body = ROUTES[route]
-    conn = await Conn.open(port_of(served))
-    with trio.fail_after(10):
-        status, _, _ = await conn.response(request(
-            method, path, headers={"Connection": "close"}, body=body))
-    assert status < 500, status
-    assert await conn.closed_within(2.0), f"{route}: still open after Connection: close"
-    await conn.aclose()
+    async with await Conn.open(port_of(served)) as conn:
+        with trio.fail_after(10):
+            status, _, _ = await conn.response(request(
+                method, path, headers={"Connection": "close"}, body=body))
+        assert status < 500, status
+        assert await conn.closed_within(2.0), f"{route}: still open after Connection: close"
 
 
 @pytest.mark.parametrize("route", list(ROUTES))
@@ -153,12 +158,11 @@ async def test_http_1_0_connections_are_closed_on_every_route(
         nursery: trio.Nursery, tmp_path: Path, route: str) -> None:
     served = await start_relay(nursery, FAKE_ONLY, tmp_path)
     method, path, body = ROUTES[route]
-    conn = await Conn.open(port_of(served))
-    with trio.fail_after(10):
-        status, _, _ = await conn.response(request(method, path, version="1.0", body=body))
-    assert status < 500, status
-    assert await conn.closed_within(2.0), f"{route}: an HTTP/1.0 connection stayed open"
-    await conn.aclose()
+    async with await Conn.open(port_of(served)) as conn:
+        with trio.fail_after(10):
+            status, _, _ = await conn.response(request(method, path, version="1.0", body=body))
+        assert status < 500, status
+        assert await conn.closed_within(2.0), f"{route}: an HTTP/1.0 connection stayed open"
 
 
 async def test_idle_keep_alive_connections_are_closed_on_every_route(
@@ -168,14 +172,13 @@ async def test_idle_keep_alive_connections_are_closed_on_every_route(
 
     async def one(route: str) -> None:
         method, path, body = ROUTES[route]
-        conn = await Conn.open(port_of(served))
-        with trio.fail_after(10):
-            status, _, _ = await conn.response(request(method, path, body=body))
-        assert status < 500, (route, status)
-        answered = trio.current_time()
-        closed = await conn.closed_within(KEEP_ALIVE_TIMEOUT_S + 5)
-        closed_after[route] = trio.current_time() - answered if closed else None
-        await conn.aclose()
+        async with await Conn.open(port_of(served)) as conn:
+            with trio.fail_after(10):
+                status, _, _ = await conn.response(request(method, path, body=body))
+            assert status < 500, (route, status)
+            answered = trio.current_time()
+            closed = await conn.closed_within(KEEP_ALIVE_TIMEOUT_S + 5)
+            closed_after[route] = trio.current_time() - answered if closed else None
 
     async with trio.open_nursery() as clients:  # all at once: one idle timeout in all
         for route in ROUTES:
@@ -188,18 +191,17 @@ async def test_idle_keep_alive_connections_are_closed_on_every_route(
 async def test_keep_alive_stays_on_for_a_client_that_reuses_its_connection(
         nursery: trio.Nursery, tmp_path: Path) -> None:
     served = await start_relay(nursery, FAKE_ONLY, tmp_path)
-    conn = await Conn.open(port_of(served))
     seen = []
-    with trio.fail_after(20):
-        for _ in range(2):
-            for route in ROUTES:
-                method, path, body = ROUTES[route]
-                status, headers, _ = await conn.response(request(method, path, body=body))
-                assert headers.get("connection", "").lower() != "close", (route, headers)
-                seen.append((route, status))
+    async with await Conn.open(port_of(served)) as conn:
+        with trio.fail_after(20):
+            for _ in range(2):
+                for route in ROUTES:
+                    method, path, body = ROUTES[route]
+                    status, headers, _ = await conn.response(request(method, path, body=body))
+                    assert headers.get("connection", "").lower() != "close", (route, headers)
+                    seen.append((route, status))
     assert [s for _, s in seen] == [s for _, s in seen[:len(ROUTES)]] * 2
     assert dict(seen)["chat"] == dict(seen)["healthz"] == 200
-    await conn.aclose()
 
 
 # --- 1,100 silent pollers against a file limit of 1,024 -------------------------------------
