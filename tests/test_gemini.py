@@ -35,6 +35,7 @@ from fake_gemini import (
     retry_info,
     serve_fake_gemini,
 )
+
 from relay.adapters.base import upstream_failure
 from relay.adapters.gemini import (
     BROKEN,
@@ -47,7 +48,6 @@ from relay.adapters.gemini import (
     tool_call_id,
     usage_of,
 )
-
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call, Delta, Finish, Skipped, Usage
 
