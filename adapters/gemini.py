@@ -41,6 +41,7 @@ from relay.config import Profile
 from relay.errors import RelayError
 from relay.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
 from relay.http import HTTPSettings
+from relay.redact import head
 
 from .base import upstream_failure
 from .cloud import CloudAdapter, data_url, obj, stop_sequences, tool_calls
@@ -444,6 +445,7 @@ class GeminiAdapter(CloudAdapter):
 
     async def run(self, call: Call, events: EventSink) -> None:
         self.refuse_without_key()
+        events = self.bounded(events)
         body = gemini_request(call)
         reader = CandidateReader(self.name)
         url = self._url(call.model, "streamGenerateContent?alt=sse" if call.stream
@@ -460,7 +462,7 @@ class GeminiAdapter(CloudAdapter):
                 if not isinstance(chunk, dict):
                     raise ValueError("not an object")
             except ValueError:
-                await events.send(Skipped(f"not JSON: {data[:120]!r}"))
+                await events.send(Skipped(f"not JSON: {head(data, 120)!r}"))
                 return False
             for out in reader.feed(chunk):
                 await events.send(out)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from . import redact
 from .config import Config, ProviderConfig, load_config
 from .errors import ConfigError, RelayError
 from .lanes import Lane
@@ -246,6 +247,7 @@ class Relay:
             changes.append("[server]: the other settings apply to new requests")
         self.providers = providers
         self.config = config
+        redact.install(self.records, config.secrets())  # SPEC E1: new keys are redacted too
         self.app.configure()
         self.reloaded.set()
         self.reloaded = trio.Event()
@@ -324,6 +326,7 @@ async def open_relay(config: Config, *, discover: bool = True) -> AsyncIterator[
     clock = Clock()
     records = RecordWriter(config.records_path, max_bytes=config.server.records_max_bytes,
                            keep=config.server.records_keep, clock=clock)
+    redact.install(records, config.secrets())  # SPEC E1 (keyed by this relay's writer)
     try:
         async with trio.open_nursery() as nursery:
             relay = Relay(config, {}, records, nursery)
@@ -341,13 +344,16 @@ async def open_relay(config: Config, *, discover: bool = True) -> AsyncIterator[
                 nursery.cancel_scope.cancel()
     finally:
         records.close()
+        redact.uninstall(records)
 
 
 def _needs_new_adapter(old: ProviderConfig, new: ProviderConfig) -> bool:
     """Adapters size what they hold (pools, warm processes) and their stop grace from the
     profile: a change there, as in the settings, needs a new adapter."""
-    return ((old.adapter, old.settings, old.profile.lanes, old.profile.interrupt_grace_s)
-            != (new.adapter, new.settings, new.profile.lanes, new.profile.interrupt_grace_s))
+    return ((old.adapter, old.settings, old.profile.lanes, old.profile.interrupt_grace_s,
+             old.max_upstream_bytes)
+            != (new.adapter, new.settings, new.profile.lanes, new.profile.interrupt_grace_s,
+                new.max_upstream_bytes))
 
 
 async def _hold_adapter(adapter: Adapter, retire: trio.Event,
@@ -366,7 +372,7 @@ async def _discover(provider: Provider) -> None:
 
 def provider_status(provider: Provider, clock: Clock) -> dict[str, Any]:
     stats = provider.lane.statistics()
-    return {
+    return redact.redact_obj({  # SPEC E1: the status page is an exit too
         "adapter": provider.config.adapter,
         "state": provider.state,
         "state_reason": provider.state_reason,
@@ -375,4 +381,4 @@ def provider_status(provider: Provider, clock: Clock) -> dict[str, Any]:
         "warning": provider.warning,
         "lanes": {"running": stats.running, "capacity": stats.capacity,
                   "queued": stats.queued, "queue_max": stats.queue_max},
-    }
+    })
