@@ -40,6 +40,7 @@ from relay.api.http import HTTPSettings
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
 from relay.vocab.profile import Profile
+from relay.vocab.redact import head
 
 from .base import upstream_failure
 from .cloud import CloudAdapter, data_url, obj, stop_sequences, tool_calls
@@ -458,6 +459,7 @@ class AnthropicAdapter(CloudAdapter):
 
     async def run(self, call: Call, events: EventSink) -> None:
         self.refuse_without_key()
+        events = self.bounded(events)
         body, strip = messages_request(call, self.settings.max_tokens)
         reader = MessageReader(self.name, strip)
         await self.post(f"{self.base_url}/messages", body, stream=call.stream,
@@ -471,7 +473,7 @@ class AnthropicAdapter(CloudAdapter):
                 if not isinstance(event, dict):
                     raise ValueError("not an object")
             except ValueError:
-                await events.send(Skipped(f"{name or 'event'}: not JSON: {data[:120]!r}"))
+                await events.send(Skipped(f"{name or 'event'}: not JSON: {head(data, 120)!r}"))
                 return False
             event.setdefault("type", name)
             for out in reader.feed(event):

@@ -2,68 +2,31 @@
 
 - `CloudAdapter`: a key from the environment (refused up front, as ``auth_required``,
   when the variable is unset), one pooled client per provider, GET-JSON for model
-  discovery, and `read_sse` — the streamed answer's read loop;
-- `SSEDecoder`: server-sent events, line by line, without I/O (testable on its own);
+  discovery; streams are read by `HTTPAdapter.read_sse` (adapters/base.py), the one SSE
+  reader of every HTTP adapter;
 - content-part helpers both translations use (data: URLs, JSON tool arguments).
 
-`read_sse` is where completeness is decided (SPEC E4): the adapter's handler says which
-event is the final one (Anthropic's ``message_stop``, Gemini's last ``finishReason``).
-A body that ends before it — cleanly or by a dropped connection — is ``stream_cut``; a
-connection that drops after it is a complete answer. After the final event the rest of
-the body is read for at most `DRAIN_AFTER_FINAL_S`, so the pooled connection can be
-reused without a stuck body holding the lane.
+Completeness (SPEC E4) is decided in `read_sse`: the adapter's handler says which event
+is the final one (Anthropic's ``message_stop``, Gemini's last ``finishReason``). A body
+that ends before it — cleanly or by a dropped connection — is ``stream_cut``; a
+connection that drops after it is a complete answer.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
-import trio
-
-from relay.api.http import transport_errors
 from relay.vocab.errors import RelayError
+from relay.vocab.redact import head
 
-from .base import HTTPAdapter, upstream_failure
+from .base import DRAIN_AFTER_FINAL_S, HTTPAdapter, SSEDecoder, upstream_failure
 
 __all__ = ["DRAIN_AFTER_FINAL_S", "CloudAdapter", "SSEDecoder", "data_url", "json_args", "obj",
            "stop_sequences", "tool_calls"]
 
-DRAIN_AFTER_FINAL_S = 1.0
 MAX_MODEL_PAGES = 20  # model discovery follows at most this many pages
-
-
-class SSEDecoder:
-    """Server-sent events (the WHATWG rules relay needs), fed one line at a time.
-
-    ``feed(line)`` returns ``(event, data)`` when a blank line ends an event that had
-    data; comments (``: keepalive``) and ``id:``/``retry:`` fields are ignored.
-    """
-
-    def __init__(self) -> None:
-        self.event: str | None = None
-        self.data: list[str] = []
-
-    def feed(self, line: str) -> tuple[str | None, str] | None:
-        if not line:
-            return self.flush()
-        if line.startswith(":"):
-            return None
-        field, _, value = line.partition(":")
-        value = value.removeprefix(" ")
-        if field == "event":
-            self.event = value
-        elif field == "data":
-            self.data.append(value)
-        return None
-
-    def flush(self) -> tuple[str | None, str] | None:
-        """The event in progress, if the body ended without its blank line."""
-        event, data = self.event, self.data
-        self.event, self.data = None, []
-        return (event, "\n".join(data)) if data else None
 
 
 def data_url(url: str) -> tuple[str, str] | None:
@@ -150,7 +113,7 @@ class CloudAdapter(HTTPAdapter):
     def __init__(self, provider: Any) -> None:
         super().__init__(provider)
         self.base_url = (self.settings.base_url or self.default_base_url).rstrip("/")
-        self.key_env = self.settings.api_key_env or self.default_key_env
+        self.key_env = self.key_env_for(self.settings)
         key = os.environ.get(self.key_env) or ""
         self.headers: dict[str, str] = {"user-agent": "relay", **self.key_headers(key)}
         self.headers.update(self.settings.headers)
@@ -161,6 +124,10 @@ class CloudAdapter(HTTPAdapter):
         raise NotImplementedError
 
     # --- what the kind declares -------------------------------------------------------------
+    @classmethod
+    def key_env_for(cls, settings: Any) -> str:
+        return settings.api_key_env or cls.default_key_env
+
     @classmethod
     def describe_settings(cls, settings: Any) -> str:
         base = settings.base_url or cls.default_base_url
@@ -180,57 +147,17 @@ class CloudAdapter(HTTPAdapter):
 
     def unreadable(self, what: str, text: str) -> RelayError:
         return RelayError("bad_upstream_response", f"provider {self.name!r} sent {what} relay "
-                          f"cannot read: {text[:300]!r}", provider=self.name,
+                          f"cannot read: {head(text, 300)!r}", provider=self.name,
                           upstream_message=text)
 
     async def get_json(self, url: str, what: str) -> Any:
-        """GET a small JSON document (a model list page).
+        """GET a JSON document (a model list page), bounded like an answer.
 
         Raises:
             RelayError: the mapped upstream failure, or ``bad_upstream_response``.
         """
-        self.refuse_without_key()
-        with transport_errors(self.name, what):
-            async with self._client.stream("GET", url, headers=self.headers) as resp:
-                text = (await resp.aread()).decode("utf-8", "replace")
-        if resp.status_code != 200:
-            raise self.failure(resp.status_code, text, resp.headers)
+        text = await self.get_text(url, what)
         try:
             return json.loads(text)
         except ValueError as exc:
             raise self.unreadable(f"a {what}", text) from exc
-
-    async def read_sse(self, resp: Any,
-                       handle: Callable[[str | None, str], Awaitable[bool]]) -> None:
-        """Feed every event of a streamed answer to ``handle``, which returns True once
-        the final event has come.
-
-        Raises:
-            RelayError: ``stream_cut`` when the body ends (or the connection drops)
-                before the final event; whatever ``handle`` raises.
-        """
-        decoder = SSEDecoder()
-        final = False
-        try:
-            with trio.CancelScope() as tail, transport_errors(self.name, "answer"):
-                async for line in resp.aiter_lines():
-                    if final:
-                        continue  # draining the end of the body (bounded by tail)
-                    event = decoder.feed(line)
-                    if event is not None and await handle(*event):
-                        final = True
-                        tail.deadline = trio.current_time() + DRAIN_AFTER_FINAL_S
-                if not final:
-                    event = decoder.flush()
-                    final = event is not None and await handle(*event)
-        except RelayError as exc:
-            if exc.reason != "upstream_unavailable":
-                raise
-            if not final:
-                raise RelayError("stream_cut", f"provider {self.name!r} broke off the answer "
-                                 f"before it was complete: {exc.message}",
-                                 provider=self.name) from exc
-            return  # the connection dropped after the final event: complete
-        if not final:
-            raise RelayError("stream_cut", f"provider {self.name!r} ended the stream before "
-                             "its final event: the answer is incomplete", provider=self.name)

@@ -42,6 +42,7 @@ from relay.api.http import HTTPSettings
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
 from relay.vocab.profile import Profile
+from relay.vocab.redact import head
 
 from .base import upstream_failure
 from .cloud import CloudAdapter, data_url, obj, stop_sequences, tool_calls
@@ -446,6 +447,7 @@ class GeminiAdapter(CloudAdapter):
 
     async def run(self, call: Call, events: EventSink) -> None:
         self.refuse_without_key()
+        events = self.bounded(events)
         body = gemini_request(call)
         reader = CandidateReader(self.name)
         url = self._url(call.model, "streamGenerateContent?alt=sse" if call.stream
@@ -462,7 +464,7 @@ class GeminiAdapter(CloudAdapter):
                 if not isinstance(chunk, dict):
                     raise ValueError("not an object")
             except ValueError:
-                await events.send(Skipped(f"not JSON: {data[:120]!r}"))
+                await events.send(Skipped(f"not JSON: {head(data, 120)!r}"))
                 return False
             for out in reader.feed(chunk):
                 await events.send(out)

@@ -8,7 +8,9 @@ local server stops generating (no ghost queue, SPEC C2).
 
 What counts as complete (SPEC E4): a finish_reason for every choice. A stream that ends
 before it is ``stream_cut``; one whose finish came but whose ``[DONE]`` did not is
-complete; an event that is not JSON is skipped and reported as skipped.
+complete; an event that is not JSON is skipped and reported as skipped. Streams are read
+by the one SSE reader every HTTP adapter shares (`HTTPAdapter.read_sse`), bodies through
+relay's bounded reader (SPEC O5).
 
 Presets (SPEC L4) fill the base URL, the key's variable and a profile fitting the kind of
 server; the file overrides any of them.
@@ -21,17 +23,15 @@ import os
 from typing import Any
 
 import attrs
-import trio
 
 from relay.api.adapter import Capabilities
-from relay.api.http import HTTPSettings, transport_errors
+from relay.api.http import HTTPSettings
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call, Delta, EventSink, Finish, Skipped, Usage
 from relay.vocab.profile import Profile
+from relay.vocab.redact import head
 
 from .base import HTTPAdapter, upstream_failure
-
-DRAIN_AFTER_DONE_S = 1.0  # after [DONE], how long the end of the body may take
 
 __all__ = ["PRESETS", "OpenAIAdapter", "OpenAISettings", "Preset"]
 
@@ -82,8 +82,7 @@ class OpenAIAdapter(HTTPAdapter):
         preset = PRESETS.get(self.settings.preset or "")
         base = self.settings.base_url or (preset.base_url if preset else "")
         self.base_url = base.rstrip("/")
-        self.key_env: str | None = self.settings.api_key_env or (
-            preset.api_key_env if preset else None)
+        self.key_env: str | None = self.key_env_for(self.settings)
         self.headers: dict[str, str] = {"user-agent": "relay"}
         key = os.environ.get(self.key_env) if self.key_env else None
         if key:
@@ -99,6 +98,12 @@ class OpenAIAdapter(HTTPAdapter):
     def recommended_profile(cls, settings: Any) -> Profile | None:
         preset = cls._preset(settings)
         return preset.profile if preset else None
+
+    @classmethod
+    def key_env_for(cls, settings: Any) -> str | None:
+        preset = cls._preset(settings)
+        return settings.api_key_env or (
+            preset.api_key_env if preset else None)
 
     @classmethod
     def max_call_s(cls, settings: Any) -> float:
@@ -135,23 +140,17 @@ class OpenAIAdapter(HTTPAdapter):
     async def models(self) -> list[str]:
         if self.provider.models_configured:
             return list(self.provider.models)
-        self.refuse_without_key()
-        with transport_errors(self.name, "model list"):
-            async with self._client.stream("GET", f"{self.base_url}/models",
-                                           headers=self.headers) as resp:
-                text = (await resp.aread()).decode("utf-8", "replace")
-        if resp.status_code != 200:
-            raise upstream_failure(self.name, resp.status_code, text, resp.headers,
-                                   key_hint=self.key_env)
+        text = await self.get_text(f"{self.base_url}/models", "model list")
         try:
             return [str(m["id"]) for m in json.loads(text)["data"]]
         except (ValueError, KeyError, TypeError) as exc:
             raise RelayError("bad_upstream_response", f"provider {self.name!r} sent a model "
-                             f"list relay cannot read: {text[:200]!r}",
+                             f"list relay cannot read: {head(text, 200)!r}",
                              provider=self.name) from exc
 
     async def run(self, call: Call, events: EventSink) -> None:
         self.refuse_without_key()
+        events = self.bounded(events)
         body = {**call.params, "model": call.model, "messages": call.messages,
                 "stream": call.stream}
         if call.stream:  # ask for usage always: the record wants it
@@ -164,61 +163,51 @@ class OpenAIAdapter(HTTPAdapter):
     async def _read_stream(self, resp: Any, events: EventSink) -> None:
         open_choices: set[int] = set()
         finished: set[int] = set()
-        done = False
-        try:
-            # After [DONE], read on to the end of the body (bounded) so the connection can
-            # be reused and httpx's generators finish instead of being abandoned.
-            with trio.CancelScope() as tail, transport_errors(self.name, "answer"):
-                async for line in resp.aiter_lines():
-                    if done or not line.startswith("data:"):
-                        continue  # blank separators, comments, event: names
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        tail.deadline = trio.current_time() + DRAIN_AFTER_DONE_S
-                        continue
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError:
-                        chunk = None
-                    if chunk is None:
-                        await events.send(Skipped(f"not JSON: {data[:120]!r}"))
-                        continue
-                    if not isinstance(chunk, dict):
-                        await events.send(Skipped(f"not an object: {data[:120]!r}"))
-                        continue
-                    if "error" in chunk:
-                        raise _inband_error(self.name, chunk["error"])
-                    for choice in chunk.get("choices") or ():
-                        index = choice.get("index", 0)
-                        open_choices.add(index)
-                        delta = choice.get("delta") or {}
-                        content = delta.get("content")
-                        tools = delta.get("tool_calls")
-                        extra = {k: val for k, val in delta.items() if val is not None
-                                 and k not in ("role", "content", "tool_calls")}
-                        if content or tools or extra:
-                            await events.send(Delta(content=content or None, tool_calls=tools,
-                                                    extra=extra or None, index=index))
-                        reason = choice.get("finish_reason")
-                        if reason:
-                            finished.add(index)
-                            await events.send(Finish(reason, index))
-                    usage = chunk.get("usage")
-                    if isinstance(usage, dict):
-                        await events.send(_usage(usage))
-        except RelayError as exc:
-            if exc.reason == "upstream_unavailable" and not (open_choices and
-                                                             open_choices <= finished):
-                raise RelayError("stream_cut", f"provider {self.name!r} broke off the "
-                                 f"answer before it was complete: {exc.message}",
-                                 provider=self.name) from exc
-            if exc.reason != "upstream_unavailable":
-                raise
-            return  # the connection broke after every choice finished: complete
-        if not open_choices or not open_choices <= finished:
-            raise RelayError("stream_cut", f"provider {self.name!r} ended the stream before "
-                             "its final chunk: the answer is incomplete", provider=self.name)
+
+        async def handle(name: str | None, data: str) -> bool:
+            if data.strip() == "[DONE]":
+                return True  # the rest of the body is drained, bounded
+            try:
+                chunk = json.loads(data)
+            except ValueError:
+                if "\n" in data:  # a server that leaves out the blank line between events
+                    for line in data.split("\n"):
+                        if line.strip() and await handle(name, line):
+                            return True
+                    return False
+                await events.send(Skipped(f"not JSON: {head(data, 120)!r}"))
+                return False
+            if not isinstance(chunk, dict):
+                await events.send(Skipped(f"not an object: {head(data, 120)!r}"))
+                return False
+            await self._chunk(chunk, events, open_choices, finished)
+            return False
+
+        await self.read_sse(resp, handle,
+                            complete=lambda: bool(open_choices) and open_choices <= finished)
+
+    async def _chunk(self, chunk: dict[str, Any], events: EventSink, open_choices: set[int],
+                     finished: set[int]) -> None:
+        if "error" in chunk:
+            raise _inband_error(self.name, chunk["error"])
+        for choice in chunk.get("choices") or ():
+            index = choice.get("index", 0)
+            open_choices.add(index)
+            delta = choice.get("delta") or {}
+            content = delta.get("content")
+            tools = delta.get("tool_calls")
+            extra = {k: val for k, val in delta.items() if val is not None
+                     and k not in ("role", "content", "tool_calls")}
+            if content or tools or extra:
+                await events.send(Delta(content=content or None, tool_calls=tools,
+                                        extra=extra or None, index=index))
+            reason = choice.get("finish_reason")
+            if reason:
+                finished.add(index)
+                await events.send(Finish(reason, index))
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            await events.send(_usage(usage))
 
     async def _emit_whole(self, text: str, events: EventSink) -> None:
         try:
@@ -228,7 +217,7 @@ class OpenAIAdapter(HTTPAdapter):
                 raise ValueError("no choices")
         except (ValueError, KeyError, TypeError) as exc:
             raise RelayError("bad_upstream_response", f"provider {self.name!r} sent an "
-                             f"answer relay cannot read: {text[:300]!r}", provider=self.name,
+                             f"answer relay cannot read: {head(text, 300)!r}", provider=self.name,
                              upstream_message=text) from exc
         for choice in choices:
             index = choice.get("index", 0)

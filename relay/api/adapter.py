@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from types import TracebackType
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 import attrs
 
@@ -92,6 +93,26 @@ class Adapter:
     def settings_problems(cls, settings: Any) -> list[tuple[str, str]]:
         """(key, what is wrong) for settings that are well typed but still wrong."""
         return []
+
+    @classmethod
+    def secret_envs(cls, settings: Any) -> list[str]:
+        """The environment variables that hold this provider's secrets (its key)."""
+        return []
+
+    @classmethod
+    def secret_values(cls, settings: Any) -> list[str]:
+        """Secret values the settings hold (SPEC E1): every value of a ``headers`` or
+        ``env`` table, the ``proxy`` URL and its password."""
+        values: list[str] = []
+        for table in ("headers", "env"):
+            values += [str(v) for v in (getattr(settings, table, None) or {}).values()]
+        proxy = getattr(settings, "proxy", None)
+        if proxy:
+            values.append(proxy)
+            password = urlsplit(proxy).password
+            if password:
+                values.append(password)
+        return values
 
     # --- an instance's life -----------------------------------------------------------------
     async def __aenter__(self) -> Adapter:

@@ -9,22 +9,37 @@ Every upstream client is built here, the same way (notes/trio-stack.md Q3):
 
 Adapters use the client only as ``async with client.stream(...)``: a bare
 ``send(stream=True)`` leaks a pool slot.
+
+Bodies are read through `UpstreamBody`, never ``aread()``/``aiter_lines()`` (SPEC O5):
+relay decompresses them itself, in bounded pieces, so a body is measured *after*
+decompression and reading stops at the bound — a 1 MB gzip body that inflates to 1 GB
+never exists in memory (httpx would inflate each network chunk whole). `read_answer`
+refuses a body over ``max_upstream_bytes``; `read_error_text` keeps the head of an error
+body and says how much it read. Only ``gzip`` and ``deflate`` are asked for and decoded.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import zlib
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import attrs
 import httpx
 
-from relay.vocab.errors import RelayError
+from relay.vocab.errors import RelayError, cut_marker
 
-__all__ = ["AsyncClient", "HTTPSettings", "Response", "get_json", "make_client",
-           "post_json", "transport_errors"]
+__all__ = ["ERROR_BODY_MAX_BYTES", "PIECE_BYTES", "AsyncClient", "HTTPSettings", "Response",
+           "UpstreamBody", "get_json", "make_client", "post_json", "read_answer",
+           "read_error_text", "transport_errors"]
+
+PIECE_BYTES = 64 * 1024  # the most a decoded piece of a body holds
+# An error body is read up to this (or max_upstream_bytes, if smaller): relay shows at
+# most 64 KiB of the provider's words (SPEC E1), but a JSON body must be whole to be read
+# and its words may be escaped several times over; no real error body comes near it.
+ERROR_BODY_MAX_BYTES = 1024 * 1024
 
 AsyncClient = httpx.AsyncClient
 Response = httpx.Response
@@ -55,12 +70,20 @@ def make_client(settings: HTTPSettings, *, max_connections: int = 64) -> httpx.A
                                 max_keepalive_connections=max_connections)),
         trust_env=False,
         follow_redirects=False,
+        # What `UpstreamBody` decodes (with brotli or zstandard installed, httpx would
+        # ask for those too).
+        headers={"accept-encoding": "gzip, deflate"},
     )
 
 
 @contextmanager
 def transport_errors(provider: str, what: str = "request") -> Iterator[None]:
-    """Translate httpx's failures to ``upstream_unavailable``, chained ``from`` them."""
+    """Translate every httpx failure to a relay error, chained ``from`` it.
+
+    Timeouts and transport failures are ``upstream_unavailable``; a body httpx cannot
+    decode is ``bad_upstream_response``. The mapping covers httpx's whole exception tree
+    (a test walks it): an unmapped one would surface as a bare 500.
+    """
     try:
         yield
     except httpx.TimeoutException as exc:
@@ -73,6 +96,160 @@ def transport_errors(provider: str, what: str = "request") -> Iterator[None]:
                          f"provider {provider!r} could not be reached or dropped the "
                          f"connection during the {what} ({type(exc).__name__}: {exc})",
                          provider=provider) from exc
+    except (httpx.DecodingError, httpx.TooManyRedirects) as exc:
+        raise RelayError("bad_upstream_response",
+                         f"provider {provider!r} sent a {what} relay cannot read "
+                         f"({type(exc).__name__}: {exc})", provider=provider) from exc
+    except httpx.HTTPStatusError as exc:
+        raise RelayError("upstream_error", f"provider {provider!r} answered the {what} "
+                         f"with an error ({exc})", provider=provider) from exc
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        raise RelayError("upstream_unavailable",
+                         f"provider {provider!r} could not be sent the {what} "
+                         f"({type(exc).__name__}: {exc}); check its base_url",
+                         provider=provider) from exc
+    except httpx.CookieConflict as exc:
+        raise RelayError("internal_error", f"relay mishandled a cookie of provider "
+                         f"{provider!r} ({exc})", provider=provider) from exc
+
+
+class _Inflate:
+    """zlib decompression with bounded output: ``take(n)`` gives at most ``n`` bytes."""
+
+    def __init__(self, encoding: str) -> None:
+        self.encoding = encoding
+        self._gzip = encoding in ("gzip", "x-gzip")
+        self._d: Any = zlib.decompressobj(zlib.MAX_WBITS | 16) if self._gzip else None
+        self._input = b""
+        self._more = False  # the last take was full: zlib may hold more output
+
+    def feed(self, data: bytes) -> None:
+        self._input += data
+
+    def take(self, n: int) -> bytes:
+        if self._d is None:  # deflate: zlib-wrapped (RFC 1950) or, as some servers send, raw
+            if len(self._input) < 2:
+                return b""
+            cmf, flg = self._input[0], self._input[1]
+            wrapped = cmf & 0x0F == 8 and (cmf * 256 + flg) % 31 == 0
+            self._d = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
+        if not self._input and not self._more:
+            return b""
+        out: bytes = self._d.decompress(self._input, n)
+        self._input = self._d.unconsumed_tail
+        self._more = len(out) == n
+        if self._d.eof:
+            rest = self._d.unused_data
+            self._more = False
+            self._input = b""
+            if self._gzip and rest.strip(b"\0"):  # another gzip member follows
+                self._d = zlib.decompressobj(zlib.MAX_WBITS | 16)
+                self._input = rest
+        return out
+
+
+class UpstreamBody:
+    """The decoded body of an open httpx response, in pieces of at most `PIECE_BYTES`.
+
+    Transport failures are mapped as `transport_errors` maps them; a body that cannot
+    be decoded, or has an encoding relay did not ask for, is ``bad_upstream_response``.
+    ``read`` counts the decoded bytes handed out so far.
+    """
+
+    def __init__(self, resp: httpx.Response, provider: str, what: str = "answer") -> None:
+        self.provider = provider
+        self.what = what
+        self.read = 0
+        self._raw: AsyncIterator[bytes] = resp.aiter_raw()
+        self._ended = False
+        codings = [c.strip().lower() for c in resp.headers.get("content-encoding", "")
+                   .split(",") if c.strip() and c.strip().lower() != "identity"]
+        if len(codings) > 1 or (codings and codings[0] not in ("gzip", "x-gzip",
+                                                                "deflate")):
+            raise RelayError("bad_upstream_response", f"provider {provider!r} sent its "
+                             f"{what} with content-encoding {', '.join(codings)!r}; relay "
+                             "asks for gzip or deflate only", provider=provider)
+        self._inflate = _Inflate(codings[0]) if codings else None
+
+    async def piece(self, most: int = PIECE_BYTES) -> bytes | None:
+        """The next decoded bytes (at most ``most``), or None at the end of the body."""
+        while True:
+            if self._inflate is not None:
+                out = self._take(most)
+                if out:
+                    self.read += len(out)
+                    return out
+            if self._ended:
+                return None
+            with transport_errors(self.provider, self.what):
+                chunk = await anext(self._raw, None)
+            if chunk is None:
+                self._ended = True
+                continue  # whatever zlib still holds comes out first
+            if self._inflate is None:
+                self.read += len(chunk)
+                return chunk
+            self._inflate.feed(chunk)
+
+    def _take(self, most: int) -> bytes:
+        assert self._inflate is not None
+        try:
+            return self._inflate.take(most)
+        except zlib.error as exc:
+            raise RelayError("bad_upstream_response", f"provider {self.provider!r} sent a "
+                             f"{self._inflate.encoding} {self.what} relay cannot decode "
+                             f"({exc})", provider=self.provider) from exc
+
+    async def drain(self) -> None:
+        """Read the rest of the body without decoding it (so the pooled connection can be
+        reused); the caller bounds it in time."""
+        with transport_errors(self.provider, self.what):
+            async for _ in self._raw:
+                pass
+        self._ended = True
+
+
+async def read_answer(resp: httpx.Response, provider: str, limit: int,
+                      what: str = "answer") -> str:
+    """The whole body as text, read through `UpstreamBody`.
+
+    Raises:
+        RelayError: ``bad_upstream_response`` naming ``max_upstream_bytes`` when the
+            body, decompressed, is larger than ``limit`` (reading stops there); the
+            mapped transport failure.
+    """
+    body = UpstreamBody(resp, provider, what)
+    data = bytearray()
+    while (piece := await body.piece(min(PIECE_BYTES, limit + 1 - len(data)))) is not None:
+        data += piece
+        if len(data) > limit:
+            raise RelayError(
+                "bad_upstream_response",
+                f"provider {provider!r} sent a {what} larger than max_upstream_bytes "
+                f"({limit} bytes, counted after decompression); relay stopped reading it "
+                f"there. Raise [server] max_upstream_bytes if answers this large are "
+                "expected.", provider=provider)
+    return data.decode("utf-8", "replace")
+
+
+async def read_error_text(resp: httpx.Response, provider: str, limit: int) -> str:
+    """An error body as text: whole up to ``limit`` decoded bytes; beyond, its head and
+    ``… [≥ N bytes]`` (N: the bytes read), and the rest is never read.
+
+    A body that breaks off or cannot be decoded keeps what was read (the status already
+    says what went wrong), so this never raises a relay error of its own.
+    """
+    data = bytearray()
+    try:
+        body = UpstreamBody(resp, provider, "error answer")
+        while (piece := await body.piece(min(PIECE_BYTES, limit + 1 - len(data)))) is not None:
+            data += piece
+            if len(data) > limit:
+                head = bytes(data[:limit]).decode("utf-8", "ignore")
+                return head + cut_marker(len(data), at_bound=True)
+    except RelayError:
+        pass
+    return data.decode("utf-8", "replace")
 
 
 def get_json(url: str, *, token: str | None = None, timeout_s: float = 10.0) -> Any:

@@ -20,6 +20,7 @@ from relay.engine.checks import serve_checks
 from relay.engine.engine import Engine, Registry
 from relay.front.app import Front
 from relay.front.metrics import Metrics
+from relay.vocab import redact
 from relay.vocab.records import Clock, RecordWriter
 
 __all__ = ["Relay", "open_relay"]
@@ -48,6 +49,7 @@ async def open_relay(config: Config, *, discover: bool = True,
     clock = Clock()
     records = RecordWriter(config.records_path, max_bytes=config.server.records_max_bytes,
                            keep=config.server.records_keep, clock=clock)
+    redact.install(records, config.secrets())  # SPEC E1 (keyed by this relay's writer)
     try:
         async with trio.open_nursery() as nursery:
             relay = Relay(config, registry, records, nursery)
@@ -62,3 +64,4 @@ async def open_relay(config: Config, *, discover: bool = True,
                 nursery.cancel_scope.cancel()
     finally:
         records.close()
+        redact.uninstall(records)

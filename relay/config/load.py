@@ -25,6 +25,7 @@ from attrs import validators as v
 
 from relay.vocab.errors import ConfigError
 from relay.vocab.profile import (
+    MAX_UPSTREAM_BYTES,
     REQUIRED_PROFILE_FIELDS,
     Profile,
     ProviderConfig,
@@ -41,6 +42,7 @@ Registry = Mapping[str, "type[Adapter]"]
 
 __all__ = [
     "COMMON_PROVIDER_KEYS",
+    "MAX_UPSTREAM_BYTES",
     "PACKAGED_DEFAULT",
     "Config",
     "Registry",
@@ -86,6 +88,9 @@ class ServerConfig:
     max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=v.ge(1024))
     body_timeout_s: float = attrs.field(default=30.0, validator=positive)
     check_on_start: bool = False  # run a connection check of every provider at start-up
+    # SPEC O5: the most a non-streamed upstream body may hold (after decompression), and
+    # the most answer text a stream may accumulate; beyond, bad_upstream_response.
+    max_upstream_bytes: int = attrs.field(default=MAX_UPSTREAM_BYTES, validator=v.ge(1024))
 
 
 COMMON_PROVIDER_KEYS = ("adapter", "models", "prefill", "check_interval_s", "check_model",
@@ -142,6 +147,20 @@ class Config:
     records_path: Path | None = None  # None: records off
     warnings: tuple[str, ...] = ()
     server_overrides: Mapping[str, Any] = attrs.field(factory=dict)  # kept for reloads
+
+    def secrets(self, environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+        """Every configured secret's value (SPEC E1): relay's token, each provider's key,
+        the values of its ``headers``, ``proxy`` and CLI ``env`` tables. Values are read
+        from ``environ`` (default: the process environment) now, as the adapters read
+        them; `relay.vocab.redact` keeps those long enough to redact."""
+        env = os.environ if environ is None else environ
+        names = [self.server.token_env] if self.server.token_env else []
+        values: list[str] = []
+        for provider in self.providers.values():
+            names += provider.secret_envs
+            values += provider.secret_values
+        values += [env.get(name) or "" for name in names]
+        return tuple(dict.fromkeys(value for value in values if value))
 
 
 # --- the converter: strict scalars, unknown keys forbidden ------------------------------
@@ -300,6 +319,8 @@ def parse_config(
     if problems:
         raise ConfigError([f"{source}: {p}" for p in problems])
     assert server is not None
+    providers = {name: attrs.evolve(p, max_upstream_bytes=server.max_upstream_bytes)
+                 for name, p in providers.items()}
     records: Path | None
     if server.records is not None:
         records = Path(server.records).expanduser()
@@ -460,4 +481,5 @@ def _load_provider(
         name=name, adapter=kind, profile=profile, settings=settings, models=models,
         models_configured=bool(models), prefill=prefill,
         check_interval_s=float(interval) if interval is not None else None,
-        check_model=check_model)
+        check_model=check_model, secret_envs=tuple(adapter.secret_envs(settings)),
+        secret_values=tuple(adapter.secret_values(settings)))

@@ -225,6 +225,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
 
 def _tool_choice(choice: Any, params: dict[str, Any]) -> None:
     kind = choice.get("type") if isinstance(choice, dict) else None
+    kind = kind if isinstance(kind, str) else None  # a list or a dict names no choice
     if kind in _TOOL_CHOICE:
         params["tool_choice"] = _TOOL_CHOICE[kind]
     elif kind == "tool" and isinstance(choice.get("name"), str):

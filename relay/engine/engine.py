@@ -17,6 +17,7 @@ import trio
 
 from relay.config import Config, load_config
 from relay.engine.lanes import Lane
+from relay.vocab import redact
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import ProviderConfig
 from relay.vocab.records import RecordWriter
@@ -152,6 +153,7 @@ class Engine:
             changes.append("[server]: the other settings apply to new requests")
         self.providers = providers
         self.config = config
+        redact.install(self.records, config.secrets())  # SPEC E1: new keys are redacted too
         self.reloaded.set()
         self.reloaded = trio.Event()
         return changes
@@ -220,5 +222,7 @@ class Engine:
 def _needs_new_adapter(old: ProviderConfig, new: ProviderConfig) -> bool:
     """Adapters size what they hold (pools, warm processes) and their stop grace from the
     profile: a change there, as in the settings, needs a new adapter."""
-    return ((old.adapter, old.settings, old.profile.lanes, old.profile.interrupt_grace_s)
-            != (new.adapter, new.settings, new.profile.lanes, new.profile.interrupt_grace_s))
+    return ((old.adapter, old.settings, old.profile.lanes, old.profile.interrupt_grace_s,
+             old.max_upstream_bytes)
+            != (new.adapter, new.settings, new.profile.lanes, new.profile.interrupt_grace_s,
+                new.max_upstream_bytes))

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from relay.vocab import redact
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import ProviderConfig
 from relay.vocab.records import Clock
@@ -132,7 +133,7 @@ class Provider:
     def status(self, clock: Clock) -> dict[str, Any]:
         """This provider's entry in ``GET /relay/v1/status`` (SPEC A3, 9)."""
         stats = self.lane.statistics()
-        return {
+        return redact.redact_obj({  # SPEC E1: the status page is an exit too
             "adapter": self.config.adapter,
             "state": self.state,
             "state_reason": self.state_reason,
@@ -141,7 +142,7 @@ class Provider:
             "warning": self.warning,
             "lanes": {"running": stats.running, "capacity": stats.capacity,
                       "queued": stats.queued, "queue_max": stats.queue_max},
-        }
+        })
 
 
 async def discover(provider: Provider) -> None:

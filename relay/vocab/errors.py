@@ -24,16 +24,30 @@ code, and the only place it lives::
 
 Foreign exceptions are translated once, at the boundary where they happen, with
 ``raise RelayError(...) from exc``; nothing else in relay inspects httpx or OS errors.
+
+The provider's words (SPEC E1): ``message`` (relay's summary followed by the provider's
+words) and ``upstream_message`` (the words alone) are each kept whole up to
+`MAX_WORDS_BYTES`; beyond, the head is kept with a marker giving the length read
+(`cut_marker`: ``… [N bytes]``, or ``… [≥ N bytes]`` when reading stopped at a bound).
+Secrets are redacted before the cut (`relay.vocab.redact`). Both happen here, once, when the
+error is made, so every exit — the OpenAI and Anthropic bodies, in-band stream errors,
+log lines, check warnings — carries the same bounded, redacted text.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Final
 
 import attrs
 
-__all__ = ["REASONS", "ConfigError", "Reason", "RelayError"]
+from .redact import redact, redact_obj
+
+__all__ = ["MAX_WORDS_BYTES", "REASONS", "ConfigError", "Reason", "RelayError",
+           "bound_text", "cut_marker"]
+
+MAX_WORDS_BYTES: Final = 64 * 1024  # SPEC E1: the provider's words are whole up to this
 
 
 @attrs.frozen
@@ -74,6 +88,40 @@ REASONS: Final[dict[str, Reason]] = {
 }
 
 
+def cut_marker(length: int, *, at_bound: bool = False) -> str:
+    """The marker that ends cut words: ``… [N bytes]`` (N: the whole text's UTF-8
+    length), or ``… [≥ N bytes]`` when reading stopped at a bound after N bytes."""
+    return f"… [{'≥ ' if at_bound else ''}{length} bytes]"
+
+
+_MARKER = re.compile(r"… \[(≥ )?(\d+) bytes\]\Z")
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())
+
+
+def bound_text(text: str, limit: int = MAX_WORDS_BYTES) -> str:
+    """``text`` whole if its UTF-8 form fits in ``limit`` bytes; else its head and a
+    `cut_marker`, together at most ``limit`` bytes.
+
+    A text that already ends with a marker (a body whose reading stopped at a bound, or
+    one cut before) keeps that marker's length: cutting twice says what the first read.
+    """
+    if len(text) * 4 <= limit or _utf8_len(text) <= limit:
+        return text
+    offset = max(0, len(text) - 40)
+    tail = _MARKER.search(text, offset)
+    if tail is not None:
+        head = text[:tail.start()]
+        marker = cut_marker(int(tail[2]), at_bound=tail[1] is not None)
+    else:
+        head, marker = text, cut_marker(_utf8_len(text))
+    room = max(0, limit - len(marker.encode()))
+    # Cut on a character boundary: at most ``room`` bytes of the head.
+    return head[:room].encode()[:room].decode("utf-8", "ignore") + marker
+
+
 class RelayError(Exception):
     """A failure with a stable reason; see the module docstring for the tree.
 
@@ -85,8 +133,12 @@ class RelayError(Exception):
         provider: the provider that failed, if any.
         retry_after_s: when a retry may help; becomes ``Retry-After``.
         action: what the user should do (``auth_required``: how to log in).
-        upstream_status, upstream_message: the provider's own status and words, whole.
+        upstream_status, upstream_message: the provider's own status and words.
         param: the request field at fault, as OpenAI's ``param``.
+
+    ``message`` and ``upstream_message`` are redacted and then bounded (the module
+    docstring): where the provider's words appear inside ``message``, it is they that are
+    cut, so relay's own summary before them and its advice after them stay whole.
     """
 
     def __init__(
@@ -101,19 +153,24 @@ class RelayError(Exception):
         upstream_status: int | None = None,
         upstream_message: str | None = None,
         param: str | None = None,
+        _words_in_message: str | None = None,
     ) -> None:
         if reason not in REASONS:
             raise ValueError(f"unknown relay error reason {reason!r}")
-        super().__init__(message)
+        message = redact(message)
+        words = redact(upstream_message) if upstream_message is not None else None
+        slot = _words_in_message if _words_in_message is not None else words
+        self.upstream_message = bound_text(words) if words is not None else None
+        self.message, self._words_in_message = _bound_message(message, slot,
+                                                              self.upstream_message)
+        super().__init__(self.message)
         spec = REASONS[reason]
         self.reason = reason
-        self.message = message
         self.status = status if status is not None else spec.status
         self.provider = provider
         self.retry_after_s = retry_after_s if retry_after_s is not None else spec.retry_after_s
-        self.action = action
+        self.action = redact(action) if action is not None else None
         self.upstream_status = upstream_status
-        self.upstream_message = upstream_message
         self.param = param
 
     @property
@@ -136,11 +193,13 @@ class RelayError(Exception):
         return RelayError(self.reason, message, status=self.status, provider=self.provider,
                           retry_after_s=self.retry_after_s, action=self.action,
                           upstream_status=self.upstream_status,
-                          upstream_message=self.upstream_message, param=self.param)
+                          upstream_message=self.upstream_message, param=self.param,
+                          _words_in_message=self._words_in_message)
 
     def body(self) -> dict[str, Any]:
-        """The OpenAI-shaped error body (SPEC E1); ``upstream_message`` is never cut."""
-        return {
+        """The OpenAI-shaped error body (SPEC E1): the words bounded as the module
+        docstring says, every string redacted (the serializer is an exit too)."""
+        return redact_obj({
             "error": {
                 "message": self.message,
                 "type": self.type,
@@ -156,7 +215,7 @@ class RelayError(Exception):
                     "upstream_message": self.upstream_message,
                 },
             }
-        }
+        })
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """``x-should-retry`` always; ``Retry-After`` (whole seconds) where it helps."""
@@ -166,6 +225,25 @@ class RelayError(Exception):
             seconds = max(1, math.ceil(self.retry_after_s))
             out.append((b"retry-after", str(seconds).encode()))
         return out
+
+
+def _bound_message(message: str, slot: str | None,
+                   words: str | None) -> tuple[str, str | None]:
+    """``message`` bounded; returns it and the words as they now appear inside it.
+
+    ``slot`` is the provider's words as they appear in ``message`` (whole, or as cut
+    before); they are re-cut from ``words`` (the bounded ``upstream_message``) to the room
+    the rest of the message leaves.
+    """
+    if _utf8_len(message) <= MAX_WORDS_BYTES:
+        return message, slot if slot and slot in message else None
+    if slot and words and len(slot) > 64 and slot in message:
+        before, _, after = message.partition(slot)
+        room = MAX_WORDS_BYTES - _utf8_len(before) - _utf8_len(after)
+        if room >= 256:
+            fitted = bound_text(words, room)
+            return before + fitted + after, fitted
+    return bound_text(message), None
 
 
 class ConfigError(Exception):

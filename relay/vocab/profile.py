@@ -17,8 +17,13 @@ from typing import Any
 import attrs
 from attrs import validators as v
 
-__all__ = ["PROFILE_FIELDS", "REQUIRED_PROFILE_FIELDS", "Profile", "ProviderConfig",
-           "default_state_dir", "is_loopback_host", "not_negative", "positive"]
+__all__ = ["MAX_UPSTREAM_BYTES", "PROFILE_FIELDS", "REQUIRED_PROFILE_FIELDS", "Profile",
+           "ProviderConfig", "default_state_dir", "is_loopback_host", "not_negative", "positive"]
+
+
+# SPEC O5: the most a non-streamed upstream body may hold (after decompression), and the
+# most answer text a stream may accumulate ([server] max_upstream_bytes).
+MAX_UPSTREAM_BYTES = 32 * 1024 * 1024
 
 
 def positive(inst: object, attr: attrs.Attribute[Any], value: float) -> None:
@@ -66,6 +71,12 @@ class ProviderConfig:
     prefill: bool = False
     check_interval_s: float | None = None  # periodic connection checks (off by default)
     check_model: str | None = None  # the model a check asks (default: the first known)
+    max_upstream_bytes: int = MAX_UPSTREAM_BYTES  # [server] max_upstream_bytes (SPEC O5)
+    # What must never leave relay (SPEC E1): the variables holding this provider's key,
+    # and the secret values its settings hold (headers, proxy, CLI env). Read by
+    # `Config.secrets`; never shown.
+    secret_envs: tuple[str, ...] = attrs.field(default=(), repr=False)
+    secret_values: tuple[str, ...] = attrs.field(default=(), repr=False)
 
 
 

@@ -21,6 +21,8 @@ from typing import Any
 import attrs
 import trio
 
+from .redact import redact_obj
+
 __all__ = ["Attempt", "Clock", "Record", "RecordWriter"]
 
 logger = logging.getLogger(__name__)
@@ -106,7 +108,7 @@ class RecordWriter:
         self.observers: list[Callable[[Record], None]] = []
 
     def write(self, record: Record) -> None:
-        line = record.as_json(self.clock)
+        line = redact_obj(record.as_json(self.clock))  # SPEC E1: records are an exit
         self.recent.append(line)
         if len(self.recent) > 200:
             del self.recent[:100]
