@@ -223,6 +223,12 @@ class Streamer:
     def any_sent(self) -> bool:
         return self.sent > 0
 
+    def restart(self) -> None:
+        """Forget the text held back (nothing was sent): the turn starts again."""
+        assert not self.any_sent
+        self.buffer = TextBuffer(self.buffer.provider, self.buffer.limit)
+        self._unsent.clear()
+
     async def delta(self, text: str) -> None:
         """One piece of the answer.
 
@@ -628,6 +634,7 @@ class CLIAdapter(Adapter):
             assert broken is not None
             if attempt == 2 or streamer.any_sent:
                 raise broken.error
+            streamer.restart()   # what the broken process said is not part of the answer
             logger.warning("provider %s: warm %s process %d broke (%s); retrying on a fresh "
                            "process", self.name, self.tool, warm.tool.pid, broken.error.message)
 

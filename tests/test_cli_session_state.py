@@ -19,7 +19,7 @@ import httpx
 import pytest
 import trio
 from cli_procs import open_cli_relay, tool_processes
-from conftest import chat, lane_idle, records, wait_for
+from conftest import chat, lane_idle, records, sse_events, wait_for
 from test_cli_adapters_fake import answer, config, fake_log, iso, post
 from test_stops import close, raw_post
 
@@ -388,3 +388,28 @@ async def test_a_reply_without_the_id_it_must_carry_is_a_bad_upstream_response(
         assert len(pool.idle) == 1
         assert answer(await post(client, served, chat(f"{provider}/ok"))).startswith("Hello")
         assert pool.started == (1 if provider == "codex-s" else 2)
+
+
+# What the fake's "flaky" scenario answers once it does (its LONG_USAGE: over the E2 fence).
+LONG_USAGE = ("Here is how a usage limit works in most APIs. " * 20 +
+              "When you hit the usage limit, requests are refused until the window resets.")
+
+
+async def test_a_retry_on_a_fresh_process_starts_from_an_empty_answer(
+        tmp_path: Path) -> None:
+    # Regression: a warm claude process that died with its first deltas held back (the
+    # E2 fence) was replaced and the turn retried — with the same streamer, so the dead
+    # process's deltas were sent ahead of the new answer.
+    async with open_cli_relay(config(tmp_path), tmp_path) as served, httpx.AsyncClient(
+            trust_env=False, timeout=httpx.Timeout(20.0)) as client:
+        for stream in (False, True):
+            (tmp_path / "fake-cli.jsonl.flaky").unlink(missing_ok=True)
+            resp = await post(client, served, chat("claude-s/flaky", stream=stream))
+            assert resp.status_code == 200, resp.text
+            if stream:
+                text = "".join(e["choices"][0]["delta"].get("content") or ""
+                               for e in sse_events(resp.text)[:-1] if e["choices"])
+            else:
+                text = answer(resp)
+            assert text == LONG_USAGE
+        assert served.relay.providers["claude-s"].adapter.pool.started == 3  # type: ignore[attr-defined]

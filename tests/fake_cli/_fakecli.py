@@ -13,6 +13,8 @@ behave as they do on signals and on their interrupt messages. Stdlib only; each 
   stubborn          like slow, but ignores SIGINT, SIGTERM and the interrupt message
   die               one delta, then exits 3 with a message on stderr
   huge              an answer of 33 MiB in 1 MiB deltas
+  flaky             the first run of a test dies after three deltas; later ones answer
+                    the long text of ``longusage``
   badreply          (warm codex, gemini) thread/start, session/new reply without an id
   …                 tool-specific failures (see each tool's SCENARIOS)
 
@@ -85,10 +87,22 @@ def pieces(scenario: str, tool: str, prompt: str, system: str | None,
         return [f"tick{i} " for i in range(SLOW_N)]
     if scenario == "huge":   # 33 MiB: over relay's 32 MiB bound for one answer
         return ["y" * (1 << 20)] * 33
-    if scenario == "longusage":
+    if scenario in ("longusage", "flaky"):
         words = LONG_USAGE.split(" ")
         return [w + " " for w in words[:-1]] + [words[-1]]
     return ["Hello ", "from the fake ", f"{tool} ", f"(FAKE-{tool.upper()}-OK)."]
+
+
+def first_flaky() -> bool:
+    """True for the first "flaky" turn of a test (a marker beside FAKE_CLI_LOG)."""
+    path = os.environ.get("FAKE_CLI_LOG")
+    if not path:
+        return False
+    try:
+        with open(path + ".flaky", "x"):
+            return True
+    except FileExistsError:
+        return False
 
 
 class Stopper:
@@ -107,7 +121,8 @@ class Stopper:
         for i, part in enumerate(parts):
             if self.event.is_set():
                 return False
-            if scenario == "die" and i == 1:
+            if (scenario == "die" and i == 1) or (scenario == "flaky" and i == 3
+                                                  and first_flaky()):
                 sys.stderr.write("fake tool: crashed mid-answer (FAKE-CRASH)\n")
                 sys.stderr.flush()
                 os._exit(3)
