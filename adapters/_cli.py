@@ -409,8 +409,8 @@ class WarmPool(Generic[W]):
                     await warm.tool.wait_exit()
             for warm in idle:
                 await warm.aclose()
-            for warm in self.busy:   # its wire is its request's: that task sees the end
-                await warm.tool.aclose()
+            for warm in list(self.busy):   # a copy: requests hand theirs back meanwhile
+                await warm.tool.aclose()     # (its wire is its request's: it sees the end)
 
 
 # --- the adapter ---------------------------------------------------------------------------

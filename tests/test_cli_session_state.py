@@ -291,23 +291,33 @@ async def test_concurrent_starts_never_exceed_the_pool_size(tmp_path: Path) -> N
 
 async def test_a_process_handed_back_after_the_pool_closed_is_not_kept(
         tmp_path: Path) -> None:
-    # Regression: at shutdown a request that ended after the pool had closed handed its
-    # process back into the idle list, where nobody would ever close it.
-    pool: WarmPool[Warm] = WarmPool(1)
+    # Regression: at shutdown, a process that was being started while the pool closed
+    # (so the pool's close did not see it) was handed back into the idle list when its
+    # request ended — where nobody would ever close it.
+    pool: WarmPool[Warm] = WarmPool(2)
+    go = trio.Event()
+    taken: list[Warm] = []
 
     async def start() -> Warm:
-        return Warm(await _process(tmp_path, "sleep", "30"))
+        warm = Warm(await _process(tmp_path, "sleep", "30"))
+        taken.append(warm)
+        await go.wait()    # initialize … still under way
+        return warm
 
-    warm = await pool.take(None, start)
+    async def request() -> None:
+        warm = await pool.take(None, start)
+        assert pool.give_back(warm, keep=True) is False
+
     try:
-        await pool.aclose()          # kills the busy one too…
-        warm2 = Warm(await _process(tmp_path, "sleep", "30"))
-        pool.busy.add(warm2)         # …and one whose request is still finishing
-        assert pool.give_back(warm2, keep=True) is False
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(request)
+            await wait_for(lambda: bool(taken))
+            await pool.aclose()
+            go.set()
         assert pool.idle == []
     finally:
-        await warm.tool.aclose()
-        await warm2.tool.aclose()
+        for warm in taken:
+            await warm.aclose()
 
 
 # --- the answer's size and the work it costs ---------------------------------------------
