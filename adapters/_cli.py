@@ -9,6 +9,9 @@ started on this machine (``claude``, ``codex``, ``gemini``). Each request is eit
   fresh conversation (codex ``thread/start``, gemini ``session/new``, claude ``/clear``),
   and handed back after the turn — or killed and replaced when it died, broke, or did not
   confirm an interrupt in time. A process the pool finds dead is replaced on the spot.
+  What may be reused is decided by the process's `Wire` (``_session.py``, the protocol
+  as a state table): one whose write or read was cut mid-message is out of sync, and is
+  closed rather than handed on.
 
 Either way, the OpenAI conversation is rendered into the tool's input (`render`): the
 system messages through the tool's system-prompt option, the turns as a labelled
@@ -18,9 +21,9 @@ transcript; parts the tool cannot take (images, audio, files, tool calls) are
 that also came with an error signal is salvaged and marked recovered (SPEC E3).
 
 A stop (client gone, run timeout, shutdown) is a cancelled scope that reaches the await
-reading the tool's output; the ``finally`` of the attempt then runs the tool's stop
-protocol (`ToolProcess.stop`) shielded and bounded by ``interrupt_grace_s`` plus a kill —
-while the attempt still holds its lane (SPEC L6).
+reading the tool's output (or writing its input); the ``finally`` of the attempt then
+runs the tool's stop protocol (`ToolProcess.stop`) shielded and bounded by
+``interrupt_grace_s`` plus a kill — while the attempt still holds its lane (SPEC L6).
 
 The tools run as plain answerers (P2a) in relay's own working folder
 (``<state dir>/cli/<provider>/work`` unless ``workdir`` says otherwise) with their agent
@@ -575,9 +578,19 @@ class CLIAdapter(Adapter):
             outcome = await read(tool, streamer)
             done = True
             # The final event came: give the tool a moment to exit (its exit code may
-            # say an error came at the end, SPEC E3).
+            # say an error came at the end, SPEC E3). Its status and words are read
+            # now: once relay has killed it (still running: no error of its own) the
+            # status is relay's SIGKILL, and its stderr file is closed.
             with trio.move_on_after(REAP_S):
                 await tool.wait_exit()
+            rc = tool.returncode
+            if rc is None:
+                logger.info("provider %s: %s process %d still ran %.0f s after its final "
+                            "event; killing it", self.name, self.tool, tool.pid, REAP_S)
+            elif rc != 0 and outcome.error_signal is None:
+                words = tool.stderr_text()
+                outcome.error_signal = (f"{self.tool} exited with status {rc} after its "
+                                        "final event" + (f": {words}" if words else ""))
         finally:
             with trio.CancelScope(shield=True,
                                   deadline=trio.current_time() + self.grace_s + 2 * REAP_S):
@@ -585,11 +598,6 @@ class CLIAdapter(Adapter):
                     await tool.aclose()     # whatever it left behind
                 else:
                     await tool.stop(self.grace_s)
-        rc = tool.returncode
-        if rc not in (0, None) and outcome.error_signal is None:
-            words = tool.stderr_text()
-            outcome.error_signal = (f"{self.tool} exited with status {rc} after its final "
-                                    "event" + (f": {words}" if words else ""))
         await streamer.finish(salvage(outcome, self.name, self.tool), self.name)
 
     async def session_turn(
@@ -603,7 +611,8 @@ class CLIAdapter(Adapter):
         anything reached the client is replaced and the turn tried once more on the new
         one — never for a failure the tool reported (an auth failure is not retried by
         another path, SPEC E2). A stop runs ``interrupt`` within the grace period; a
-        process that does not confirm in time is killed."""
+        process that does not confirm in time is killed, and one whose wire is out of
+        sync gets SIGINT, the grace period, then the kill (`_stop_warm`)."""
         assert self.pool is not None
         for attempt in (1, 2):
             warm = await self.pool.take(key, start, ready)

@@ -423,3 +423,31 @@ async def test_a_retry_on_a_fresh_process_starts_from_an_empty_answer(
                 text = answer(resp)
             assert text == LONG_USAGE
         assert served.relay.providers["claude-s"].adapter.pool.started == 3  # type: ignore[attr-defined]
+
+
+# --- the one-shot process's end -------------------------------------------------------------
+
+async def test_a_tool_killed_for_lingering_after_its_final_event_is_not_an_error(
+        tmp_path: Path) -> None:
+    # Regression: a tool still running REAP_S after its final event was killed by relay,
+    # and then its exit status (-9, relay's own kill) was read as an error the tool
+    # signalled at the end: the answer was marked recovered (SPEC E3).
+    async with open_cli_relay(config(tmp_path), tmp_path) as served, httpx.AsyncClient(
+            trust_env=False, timeout=httpx.Timeout(20.0)) as client:
+        assert answer(await post(client, served, chat("codex/linger"))).startswith("Hello")
+    rec = records(tmp_path)[0]
+    assert rec["status"] == 200 and rec["recovered"] is False
+
+
+async def test_an_empty_completed_run_that_exits_in_error_keeps_its_words(
+        tmp_path: Path) -> None:
+    # Regression: the exit status was read after the process was closed, when its stderr
+    # file was closed too: the failure came without the tool's own words.
+    async with open_cli_relay(config(tmp_path), tmp_path) as served, httpx.AsyncClient(
+            trust_env=False, timeout=httpx.Timeout(20.0)) as client:
+        resp = await post(client, served, chat("codex/emptyexit"))
+        assert resp.status_code == 502, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == "bad_upstream_response"
+        assert "exited with status 1" in error["relay"]["upstream_message"]
+        assert "FAKE-EMPTY-EXIT" in error["relay"]["upstream_message"]

@@ -13,6 +13,9 @@ behave as they do on signals and on their interrupt messages. Stdlib only; each 
   stubborn          like slow, but ignores SIGINT, SIGTERM and the interrupt message
   die               one delta, then exits 3 with a message on stderr
   huge              an answer of 33 MiB in 1 MiB deltas
+  linger            (codex exec) exits 5 s after its final event, with status 0
+  emptyexit         (codex exec) completes with no answer, then exits 1 with words on
+                    stderr
   flaky             the first run of a test dies after three deltas; later ones answer
                     the long text of ``longusage``
   badreply          (warm codex, gemini) thread/start, session/new reply without an id
@@ -409,13 +412,20 @@ class Codex:
         collected: list[str] = []
         if not stopper.stream(parts, collected.append, s):   # exec sends no deltas
             return 1   # SIGINT: exit 1 with no turn.failed line
-        emit({"type": "item.completed", "item": {"id": "item_1", "type": "agent_message",
-                                                 "text": "".join(collected)}})
+        if s != "emptyexit":
+            emit({"type": "item.completed", "item": {"id": "item_1",
+                                                     "type": "agent_message",
+                                                     "text": "".join(collected)}})
         if s == "salvage":
             emit({"type": "error", "message": "FAKE-SALVAGE: failed to record the rollout"})
         emit({"type": "turn.completed", "usage": {"input_tokens": 10, "cached_input_tokens": 0,
                                                   "output_tokens": 4,
                                                   "reasoning_output_tokens": 0}})
+        if s == "linger":   # still busy after its final event (flushing, say)
+            time.sleep(5)
+        if s == "emptyexit":
+            sys.stderr.write("Error: FAKE-EMPTY-EXIT: the rollout could not be written\n")
+            return 1
         return 1 if s == "salvage" else 0
 
     def app(self) -> int:
