@@ -433,6 +433,8 @@ class CLIAdapter(Adapter):
     # relay's environment (other providers' keys, relay's own token) is kept from it.
     own_credentials: ClassVar[frozenset[str]] = frozenset()
     supported_params = SUPPORTED_PARAMS
+    # SPEC O5: the most answer text one turn may bring (for [server] max_upstream_bytes).
+    answer_limit: int = MAX_ANSWER_BYTES
 
     def __init__(self, provider: Any) -> None:
         super().__init__(provider)
@@ -535,6 +537,10 @@ class CLIAdapter(Adapter):
     async def spawn(self, argv: list[str], env: dict[str, str]) -> ToolProcess:
         return await spawn_tool(argv, env=env, cwd=self.workdir, provider=self.name,
                                 install_hint=self.install_hint)
+
+    def streamer(self, events: EventSink, hold: int = 0) -> Streamer:
+        """A request's `Streamer`, bounded by `answer_limit`."""
+        return Streamer(events, provider=self.name, hold=hold, limit=self.answer_limit)
 
     def request_dir(self, call: Call) -> Path:
         """A private folder for one request's files (a system-prompt file …)."""

@@ -260,7 +260,7 @@ class ClaudeCLIAdapter(CLIAdapter):
             return outcome
 
         await self.oneshot(argv, self.env(), prompt.encode(), read,
-                           Streamer(events, provider=self.name, hold=E2_FENCE))
+                           self.streamer(events, hold=E2_FENCE))
 
     # --- session ------------------------------------------------------------------------
     async def run_session(self, call: Call, system: str | None, prompt: str,
@@ -273,8 +273,7 @@ class ClaudeCLIAdapter(CLIAdapter):
 
         await self.session_turn((model, system), start, self._ready,
                                 lambda warm, streamer: self._converse(warm, streamer, prompt),
-                                self._interrupt,
-                                Streamer(events, provider=self.name, hold=E2_FENCE))
+                                self._interrupt, self.streamer(events, hold=E2_FENCE))
 
     async def _ready(self, warm: Warm) -> bool:
         """A warm process that was cleared after its last request: read the ``/clear``

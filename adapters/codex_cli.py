@@ -158,7 +158,7 @@ class CodexCLIAdapter(CLIAdapter):
             argv += ["-c", f"model_instructions_file={_toml_str(str(path))}"]
         argv += [*self.settings.args, "-"]    # "-": the prompt comes on stdin
         await self.oneshot(argv, self.env(), prompt.encode(), self._read_exec,
-                           Streamer(events, provider=self.name))
+                           self.streamer(events))
 
     async def _read_exec(self, tool: ToolProcess, streamer: Streamer) -> Outcome:
         signals: list[str] = []
@@ -192,7 +192,7 @@ class CodexCLIAdapter(CLIAdapter):
         model = self.model_for(call)
         await self.session_turn(None, self._start, None,
                                 lambda w, s: self._converse(w, s, model, system, prompt),
-                                self._interrupt, Streamer(events, provider=self.name))
+                                self._interrupt, self.streamer(events))
 
     async def _start(self) -> Warm:
         argv = [self.command, "app-server", *self.config_args(), *self.settings.args]
@@ -240,7 +240,7 @@ class CodexCLIAdapter(CLIAdapter):
                                                "text_elements": []}]}, Event.SEND_TURN)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise Broken(self.ended_early(warm.tool)) from exc
-        texts = TextBuffer(self.name)
+        texts = TextBuffer(self.name, self.answer_limit)
         signals: list[str] = []
         usage: Usage | None = None
         while True:

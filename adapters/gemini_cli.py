@@ -176,7 +176,7 @@ class GeminiCLIAdapter(CLIAdapter):
             system_file.write_text(system, encoding="utf-8")
         argv = self.argv(self.model_for(call), session=False)
         await self.oneshot(argv, self.env(system_file), prompt.encode(), self._read_stream,
-                           Streamer(events, provider=self.name))
+                           self.streamer(events))
 
     async def _read_stream(self, tool: ToolProcess, streamer: Streamer) -> Outcome:
         signals: list[str] = []
@@ -240,7 +240,7 @@ class GeminiCLIAdapter(CLIAdapter):
 
         await self.session_turn((model, system), start, None,
                                 lambda w, s: self._converse(w, s, prompt),
-                                self._interrupt, Streamer(events, provider=self.name))
+                                self._interrupt, self.streamer(events))
 
     async def _converse(self, warm: Warm, streamer: Streamer, prompt: str) -> Turned:
         rpc: Rpc = warm.state["rpc"]
