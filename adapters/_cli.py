@@ -9,6 +9,9 @@ started on this machine (``claude``, ``codex``, ``gemini``). Each request is eit
   fresh conversation (codex ``thread/start``, gemini ``session/new``, claude ``/clear``),
   and handed back after the turn — or killed and replaced when it died, broke, or did not
   confirm an interrupt in time. A process the pool finds dead is replaced on the spot.
+  What may be reused is decided by the process's `Wire` (``_session.py``, the protocol
+  as a state table): one whose write or read was cut mid-message is out of sync, and is
+  closed rather than handed on.
 
 Either way, the OpenAI conversation is rendered into the tool's input (`render`): the
 system messages through the tool's system-prompt option, the turns as a labelled
@@ -18,9 +21,9 @@ transcript; parts the tool cannot take (images, audio, files, tool calls) are
 that also came with an error signal is salvaged and marked recovered (SPEC E3).
 
 A stop (client gone, run timeout, shutdown) is a cancelled scope that reaches the await
-reading the tool's output; the ``finally`` of the attempt then runs the tool's stop
-protocol (`ToolProcess.stop`) shielded and bounded by ``interrupt_grace_s`` plus a kill —
-while the attempt still holds its lane (SPEC L6).
+reading the tool's output (or writing its input); the ``finally`` of the attempt then
+runs the tool's stop protocol (`ToolProcess.stop`) shielded and bounded by
+``interrupt_grace_s`` plus a kill — while the attempt still holds its lane (SPEC L6).
 
 The tools run as plain answerers (P2a) in relay's own working folder
 (``<state dir>/cli/<provider>/work`` unless ``workdir`` says otherwise) with their agent
@@ -47,18 +50,23 @@ import trio
 from relay.api.adapter import Adapter
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call, Delta, EventSink, Finish, Recovered, Usage
-from relay.vocab.profile import Profile, default_state_dir
+from relay.vocab.profile import MAX_UPSTREAM_BYTES, Profile, default_state_dir
 
 from ._process import REAP_S, ToolProcess, spawn_tool
+from ._session import Event, ProtocolError, Wire
 
-__all__ = ["Broken", "CLIAdapter", "CLISettings", "Outcome", "Rpc", "Streamer", "Turned",
-           "Warm", "WarmPool", "refuse", "render", "salvage", "tool_error"]
+__all__ = ["MAX_ANSWER_BYTES", "Broken", "CLIAdapter", "CLISettings", "Outcome", "Rpc",
+           "Streamer", "TextBuffer", "Turned", "Warm", "WarmPool", "refuse", "render",
+           "salvage", "tool_error"]
 
 logger = logging.getLogger(__name__)
 
 MODES = ("oneshot", "session")
 CLOSE_S = 2.0   # closing the pool: how long a warm process may take to exit on its own
 SUPPORTED_PARAMS = frozenset({"n", "stream_options", "user", "metadata"})
+# SPEC O5: the answer text a turn accumulates is bounded like a non-streamed upstream
+# body; an adapter uses its provider's `[server] max_upstream_bytes` (this by default).
+MAX_ANSWER_BYTES = MAX_UPSTREAM_BYTES
 
 # SPEC L5: 3 lanes; queue waits of up to 10 minutes; a run limit above the tools' own
 # 10-minute limit (claude sends `x-stainless-timeout: 600` with every API request).
@@ -161,38 +169,100 @@ class Outcome:
     error_signal: str | None = None  # an error signalled at the end of a completed run
 
 
+class TextBuffer:
+    """Answer text gathered piece by piece: linear in its size (pieces are joined when
+    read, once), and bounded (SPEC O5): more than ``limit`` bytes of UTF-8 is
+    ``bad_upstream_response``, raised by the `append` that crosses it."""
+
+    def __init__(self, provider: str, limit: int = MAX_ANSWER_BYTES) -> None:
+        self.provider = provider
+        self.limit = limit
+        self.size = 0     # bytes (UTF-8) so far
+        self.chars = 0    # characters so far
+        self._pieces: list[str] = []
+
+    def append(self, piece: str) -> None:
+        """Add ``piece``.
+
+        Raises:
+            RelayError: ``bad_upstream_response`` when the text would exceed the limit.
+        """
+        size = len(piece) if piece.isascii() else len(piece.encode("utf-8", "surrogatepass"))
+        if self.size + size > self.limit:
+            raise RelayError("bad_upstream_response", f"provider {self.provider!r}: the "
+                             f"tool's answer is larger than {self.limit} bytes (relay's "
+                             "limit for one answer, [server] max_upstream_bytes)",
+                             provider=self.provider)
+        self.size += size
+        self.chars += len(piece)
+        self._pieces.append(piece)
+
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+
 class Streamer:
     """Sends a turn's text to the sink as deltas. ``hold`` characters are held back until
     the final event has been checked (claude: its answer may be a disguised failure, and
-    a short one must become a real HTTP status, not text, SPEC E2 / A2)."""
+    a short one must become a real HTTP status, not text, SPEC E2 / A2). The text seen is
+    a `TextBuffer`: linear work, and bounded by ``limit``."""
 
-    def __init__(self, events: EventSink, hold: int = 0) -> None:
+    def __init__(self, events: EventSink, *, provider: str, hold: int = 0,
+                 limit: int = MAX_ANSWER_BYTES) -> None:
         self.events = events
         self.hold = hold
-        self.seen = ""   # every delta so far
-        self.sent = 0    # characters of `seen` sent
+        self.buffer = TextBuffer(provider, limit)   # every delta so far
+        self.sent = 0                               # characters of it sent
+        self._unsent: list[str] = []                # the deltas not sent yet
+
+    @property
+    def seen(self) -> str:
+        return self.buffer.text
 
     @property
     def any_sent(self) -> bool:
         return self.sent > 0
 
+    def restart(self) -> None:
+        """Forget the text held back (nothing was sent): the turn starts again."""
+        assert not self.any_sent
+        self.buffer = TextBuffer(self.buffer.provider, self.buffer.limit)
+        self._unsent.clear()
+
     async def delta(self, text: str) -> None:
+        """One piece of the answer.
+
+        Raises:
+            RelayError: ``bad_upstream_response`` when the answer grows over the limit.
+        """
         if not text:
             return
-        self.seen += text
-        if len(self.seen) > self.hold:
-            await self.events.send(Delta(content=self.seen[self.sent:]))
-            self.sent = len(self.seen)
+        self.buffer.append(text)
+        self._unsent.append(text)
+        if self.buffer.chars > self.hold:
+            chunk = "".join(self._unsent)
+            await self.events.send(Delta(content=chunk))
+            self._unsent.clear()
+            self.sent = self.buffer.chars
 
     async def finish(self, outcome: Outcome, provider: str) -> None:
-        """The final answer: what was not streamed yet, usage, recovered, finish."""
+        """The final answer: what was not streamed yet, usage, recovered, finish.
+
+        Raises:
+            RelayError: ``bad_upstream_response`` when the final text is over the limit.
+        """
         final = outcome.text
-        if final.startswith(self.seen[:self.sent]):
+        TextBuffer(self.buffer.provider, self.buffer.limit).append(final)   # bounded too
+        seen = self.seen
+        if final.startswith(seen[:self.sent]):
             rest = final[self.sent:]
         else:  # the final event disagrees with the deltas: the deltas already went out
             logger.warning("provider %s: the final answer differs from the streamed text; "
                            "keeping what was streamed", provider)
-            rest = self.seen[self.sent:]
+            rest = seen[self.sent:]
         if rest:
             await self.events.send(Delta(content=rest))
             self.sent += len(rest)
@@ -228,12 +298,18 @@ W = TypeVar("W", bound="Warm")
 
 @attrs.define(eq=False)
 class Warm:
-    """A warm process and what its adapter knows about it."""
+    """A warm process, its protocol state (`Wire`) and what its adapter knows about it."""
 
     tool: ToolProcess
     key: Any = None          # what it was started for (model, system prompt …)
     uses: int = 0
     state: dict[str, Any] = attrs.field(factory=dict)
+    wire: Wire = attrs.field(factory=Wire)
+
+    async def aclose(self) -> None:
+        """Kill and reap it (bounded, shielded: `ToolProcess.aclose`)."""
+        self.wire.handle(Event.CLOSE)
+        await self.tool.aclose()
 
 
 class WarmPool(Generic[W]):
@@ -241,50 +317,67 @@ class WarmPool(Generic[W]):
 
     `take` gives an idle process started for the same key, or starts one (retiring an
     idle one of another key when the pool is full); a process found dead is replaced.
-    `give_back` keeps a healthy process for the next request; anything else is killed.
+    `give_back` keeps a process its `Wire` says may be reused; anything else is killed.
+
+    Every process is in exactly one place: ``idle`` (the list), ``busy`` (taken: being
+    made ready, or serving a request), or counted in ``starting``; each move between
+    them happens with no checkpoint in between, so two takes never act on the same
+    entry (one that awaits re-reads the list afterwards).
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.idle: list[W] = []
         self.busy: set[W] = set()
+        self.starting = 0   # processes being started
+        self.closed = False
         self._slots = trio.Semaphore(size)
         self.started = 0  # processes ever started (tests: restarts)
 
     @property
     def total(self) -> int:
-        return len(self.idle) + len(self.busy)
+        return len(self.idle) + len(self.busy) + self.starting
 
     async def take(self, key: Any, start: Callable[[], Awaitable[W]],
                    ready: Callable[[W], Awaitable[bool]] | None = None) -> W:
-        """An idle process for ``key``, made ready (``ready`` False: replace it), or a new
-        one. Waits only when every process is busy (the lane normally prevents that)."""
+        """An idle process for ``key``, made ready (``ready`` False, or its wire not
+        ready: replace it), or a new one. Waits only when every process is busy (the lane
+        normally prevents that)."""
         await self._slots.acquire()
         try:
             while True:
-                for warm in [w for w in self.idle if not w.tool.alive]:
-                    self.idle.remove(warm)
-                    logger.info("warm %s process %d had exited (rc %s); replacing it",
-                                warm.tool.name, warm.tool.pid, warm.tool.returncode)
-                    await warm.tool.aclose()
+                dead = [w for w in self.idle if not w.tool.alive]
+                if dead:   # taken out all at once, before any await
+                    self.idle = [w for w in self.idle if w not in dead]
+                    for warm in dead:
+                        logger.info("warm %s process %d had exited (rc %s); replacing it",
+                                    warm.tool.name, warm.tool.pid, warm.tool.returncode)
+                        await warm.aclose()
+                    continue   # the list may have changed meanwhile: look again
                 match = next((w for w in self.idle if w.key == key), None)
                 if match is None:
                     break
                 self.idle.remove(match)
+                self.busy.add(match)   # still counted while it is made ready
                 try:
-                    ok = ready is None or await ready(match)
+                    ok = (ready is None or await ready(match)) and match.wire.ready
                 except BaseException:   # a stop while making it ready: it is nobody's now
+                    self.busy.discard(match)
                     with trio.CancelScope(shield=True,
                                           deadline=trio.current_time() + 2 * REAP_S):
-                        await match.tool.aclose()
+                        await match.aclose()
                     raise
                 if ok:
-                    self.busy.add(match)
                     return match
-                await match.tool.aclose()
+                self.busy.discard(match)
+                await match.aclose()
             if self.total >= self.size and self.idle:
-                await self.idle.pop(0).tool.aclose()   # room for one of this key
-            warm = await start()
+                await self.idle.pop(0).aclose()   # room for one of this key
+            self.starting += 1
+            try:
+                warm = await start()
+            finally:
+                self.starting -= 1
             self.started += 1
             self.busy.add(warm)
             return warm
@@ -293,11 +386,11 @@ class WarmPool(Generic[W]):
             raise
 
     def give_back(self, warm: W, *, keep: bool) -> bool:
-        """Return a taken process; ``keep`` False (or dead): the caller must `aclose` its
-        tool. True when it was kept."""
+        """Return a taken process; kept only when ``keep``, it is alive, its wire says
+        it may be reused and the pool is open. False: the caller must `Warm.aclose` it."""
         self.busy.discard(warm)
         self._slots.release()
-        if keep and warm.tool.alive:
+        if keep and warm.tool.alive and warm.wire.keepable and not self.closed:
             warm.uses += 1
             self.idle.append(warm)
             return True
@@ -305,7 +398,8 @@ class WarmPool(Generic[W]):
 
     async def aclose(self) -> None:
         """Close every idle process: stdin closed (each tool exits on that), then killed
-        whatever is left after `CLOSE_S`."""
+        whatever is left after `CLOSE_S`. A process handed back later is not kept."""
+        self.closed = True
         idle, self.idle = self.idle, []
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_S + REAP_S):
             for warm in idle:
@@ -316,8 +410,10 @@ class WarmPool(Generic[W]):
             with trio.move_on_after(CLOSE_S):
                 for warm in idle:
                     await warm.tool.wait_exit()
-            for warm in [*idle, *self.busy]:
-                await warm.tool.aclose()
+            for warm in idle:
+                await warm.aclose()
+            for warm in list(self.busy):   # a copy: requests hand theirs back meanwhile
+                await warm.tool.aclose()     # (its wire is its request's: it sees the end)
 
 
 # --- the adapter ---------------------------------------------------------------------------
@@ -337,6 +433,11 @@ class CLIAdapter(Adapter):
     # relay's environment (other providers' keys, relay's own token) is kept from it.
     own_credentials: ClassVar[frozenset[str]] = frozenset()
     supported_params = SUPPORTED_PARAMS
+    # SPEC O5: the most answer text one turn may bring (for [server] max_upstream_bytes).
+    @property
+    def answer_limit(self) -> int:
+        """The most answer text a turn may accumulate: ``[server] max_upstream_bytes``."""
+        return self.provider.max_upstream_bytes
 
     def __init__(self, provider: Any) -> None:
         super().__init__(provider)
@@ -440,6 +541,10 @@ class CLIAdapter(Adapter):
         return await spawn_tool(argv, env=env, cwd=self.workdir, provider=self.name,
                                 install_hint=self.install_hint)
 
+    def streamer(self, events: EventSink, hold: int = 0) -> Streamer:
+        """A request's `Streamer`, bounded by `answer_limit`."""
+        return Streamer(events, provider=self.name, hold=hold, limit=self.answer_limit)
+
     def request_dir(self, call: Call) -> Path:
         """A private folder for one request's files (a system-prompt file …)."""
         return Path(tempfile.mkdtemp(prefix=f"req-{call.request_id}-", dir=self.private))
@@ -482,9 +587,19 @@ class CLIAdapter(Adapter):
             outcome = await read(tool, streamer)
             done = True
             # The final event came: give the tool a moment to exit (its exit code may
-            # say an error came at the end, SPEC E3).
+            # say an error came at the end, SPEC E3). Its status and words are read
+            # now: once relay has killed it (still running: no error of its own) the
+            # status is relay's SIGKILL, and its stderr file is closed.
             with trio.move_on_after(REAP_S):
                 await tool.wait_exit()
+            rc = tool.returncode
+            if rc is None:
+                logger.info("provider %s: %s process %d still ran %.0f s after its final "
+                            "event; killing it", self.name, self.tool, tool.pid, REAP_S)
+            elif rc != 0 and outcome.error_signal is None:
+                words = tool.stderr_text()
+                outcome.error_signal = (f"{self.tool} exited with status {rc} after its "
+                                        "final event" + (f": {words}" if words else ""))
         finally:
             with trio.CancelScope(shield=True,
                                   deadline=trio.current_time() + self.grace_s + 2 * REAP_S):
@@ -492,11 +607,6 @@ class CLIAdapter(Adapter):
                     await tool.aclose()     # whatever it left behind
                 else:
                     await tool.stop(self.grace_s)
-        rc = tool.returncode
-        if rc not in (0, None) and outcome.error_signal is None:
-            words = tool.stderr_text()
-            outcome.error_signal = (f"{self.tool} exited with status {rc} after its final "
-                                    "event" + (f": {words}" if words else ""))
         await streamer.finish(salvage(outcome, self.name, self.tool), self.name)
 
     async def session_turn(
@@ -510,7 +620,8 @@ class CLIAdapter(Adapter):
         anything reached the client is replaced and the turn tried once more on the new
         one — never for a failure the tool reported (an auth failure is not retried by
         another path, SPEC E2). A stop runs ``interrupt`` within the grace period; a
-        process that does not confirm in time is killed."""
+        process that does not confirm in time is killed, and one whose wire is out of
+        sync gets SIGINT, the grace period, then the kill (`_stop_warm`)."""
         assert self.pool is not None
         for attempt in (1, 2):
             warm = await self.pool.take(key, start, ready)
@@ -526,11 +637,12 @@ class CLIAdapter(Adapter):
             finally:
                 with trio.CancelScope(shield=True,
                                       deadline=trio.current_time() + self.grace_s + REAP_S):
-                    if turned is None and broken is None:   # a stop, or a crash
-                        keep = await warm.tool.stop(self.grace_s,
-                                                    functools.partial(interrupt, warm))
-                    if not self.pool.give_back(warm, keep=keep):
-                        await warm.tool.aclose()
+                    try:
+                        if turned is None and broken is None:   # a stop, or a crash
+                            keep = await self._stop_warm(warm, interrupt)
+                    finally:
+                        if not self.pool.give_back(warm, keep=keep):
+                            await warm.aclose()
             if turned is not None:
                 if isinstance(turned.result, RelayError):
                     raise turned.result
@@ -540,8 +652,30 @@ class CLIAdapter(Adapter):
             assert broken is not None
             if attempt == 2 or streamer.any_sent:
                 raise broken.error
+            streamer.restart()   # what the broken process said is not part of the answer
             logger.warning("provider %s: warm %s process %d broke (%s); retrying on a fresh "
                            "process", self.name, self.tool, warm.tool.pid, broken.error.message)
+
+    async def _stop_warm(self, warm: Warm,
+                         interrupt: Callable[[Warm], Awaitable[bool]]) -> bool:
+        """A turn stopped on a warm process: True when it may serve again. In sync, the
+        tool's own interrupt, confirmed within the grace period (else killed). Out of
+        sync — a write or read was cut, so no message can be framed — the process's
+        group gets SIGINT, the grace period, then SIGKILL, as a one-shot process does.
+        Runs in a ``finally``: a bug in the protocol (`ProtocolError`) is logged and the
+        process killed, never raised over the exception already on its way."""
+        if not warm.wire.in_sync:
+            logger.info("provider %s: warm %s process %d is out of sync (%s); closing it",
+                        self.name, self.tool, warm.tool.pid, warm.wire.state.value)
+            await warm.tool.stop(self.grace_s)
+            return False
+        try:
+            confirmed = await warm.tool.stop(self.grace_s, functools.partial(interrupt, warm))
+        except ProtocolError:
+            logger.exception("provider %s: warm %s process %d: interrupt failed", self.name,
+                             self.tool, warm.tool.pid)
+            return False
+        return confirmed and warm.wire.keepable
 
     def ended_early(self, tool: ToolProcess, said: str = "") -> RelayError:
         """The tool's output ended before its final event: it died or broke."""
@@ -573,14 +707,16 @@ class Broken(Exception):
 class Rpc:
     """Newline-delimited JSON-RPC with a warm tool (codex ``app-server``, gemini ACP).
 
-    `read` returns the tool's next response or notification; requests *from* the tool
-    (approvals, file access) are answered at once by ``answer`` — a plain answerer
+    Every write and read goes through the process's `Wire` (a cut write leaves it out of
+    sync). `read` returns the tool's next response or notification; requests *from* the
+    tool (approvals, file access) are answered at once by ``answer`` — a plain answerer
     approves nothing — and never returned.
     """
 
-    def __init__(self, tool: ToolProcess, *, jsonrpc: bool,
+    def __init__(self, tool: ToolProcess, wire: Wire, *, jsonrpc: bool,
                  answer: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         self.tool = tool
+        self.wire = wire
         self.jsonrpc = jsonrpc
         self.answer = answer
         self._next = 0
@@ -588,25 +724,32 @@ class Rpc:
     def _frame(self, msg: dict[str, Any]) -> dict[str, Any]:
         return {"jsonrpc": "2.0", **msg} if self.jsonrpc else msg
 
-    async def request(self, method: str, params: Any) -> int:
+    async def request(self, method: str, params: Any, event: Event = Event.SEND_CALL
+                      ) -> int:
+        """Send a request (``event``: what it is to the protocol); returns its id, which
+        is the wire's `pending` once written."""
         self._next += 1
-        await self.tool.send_line(self._frame({"id": self._next, "method": method,
-                                               "params": params}))
+        line = self._frame({"id": self._next, "method": method, "params": params})
+        await self.wire.send(event, functools.partial(self.tool.send_line, line),
+                             reply_id=self._next)
         return self._next
 
-    async def notify(self, method: str, params: Any = None) -> None:
+    async def notify(self, method: str, params: Any = None,
+                     event: Event = Event.SEND_NOTE) -> None:
         msg: dict[str, Any] = {"method": method}
         if params is not None:
             msg["params"] = params
-        await self.tool.send_line(self._frame(msg))
+        await self.wire.send(event, functools.partial(self.tool.send_line, self._frame(msg)))
 
     async def read(self) -> dict[str, Any] | None:
         while True:
-            msg = await self.tool.receive_json()
+            msg = await self.wire.receive(self.tool.receive_json)
             if msg is None:
                 return None
             if "method" in msg and "id" in msg:   # the tool asks us something
-                await self.tool.send_line(self._frame({"id": msg["id"], **self.answer(msg)}))
+                line = self._frame({"id": msg["id"], **self.answer(msg)})
+                await self.wire.send(Event.SEND_ANSWER,
+                                     functools.partial(self.tool.send_line, line))
                 continue
             return msg
 
@@ -614,7 +757,8 @@ class Rpc:
                             on_message: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
                             ) -> dict[str, Any] | None:
         """Read to the response to ``request_id`` (None: the output ended first);
-        everything before it goes to ``on_message``."""
+        everything before it goes to ``on_message``. The caller tells the wire what the
+        response was (a REPLY, a TURN_END)."""
         while True:
             msg = await self.read()
             if msg is None:

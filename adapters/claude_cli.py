@@ -25,6 +25,7 @@ up a new login) and is never retried by another path.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from pathlib import Path
@@ -47,6 +48,7 @@ from ._cli import (
     tool_error,
 )
 from ._process import ToolProcess
+from ._session import Event, State, Wire
 
 __all__ = ["AUTH_PHRASES", "E2_FENCE", "QUOTA_PHRASES", "ClaudeCLIAdapter", "ClaudeSettings",
            "disguised_failure"]
@@ -175,13 +177,15 @@ def classify(provider: str, result: dict[str, Any],
         error_signal="; ".join(errors) or None)   # completed, but with errors: E3
 
 
-async def read_turn(tool: ToolProcess, streamer: Streamer
+async def read_turn(tool: ToolProcess, streamer: Streamer, wire: Wire | None = None
                     ) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
     """Read claude's stream-json events to the turn's ``result``; None if the output
-    ends first. Text deltas of the answer go to ``streamer``."""
+    ends first. Text deltas of the answer go to ``streamer``. ``wire``: a warm process's
+    (its reads go through it)."""
     assistant: dict[str, Any] | None = None
     while True:
-        event = await tool.receive_json()
+        event = await (tool.receive_json() if wire is None else
+                       wire.receive(tool.receive_json))
         if event is None:
             return None
         kind = event.get("type")
@@ -256,7 +260,7 @@ class ClaudeCLIAdapter(CLIAdapter):
             return outcome
 
         await self.oneshot(argv, self.env(), prompt.encode(), read,
-                           Streamer(events, hold=E2_FENCE))
+                           self.streamer(events, hold=E2_FENCE))
 
     # --- session ------------------------------------------------------------------------
     async def run_session(self, call: Call, system: str | None, prompt: str,
@@ -269,40 +273,44 @@ class ClaudeCLIAdapter(CLIAdapter):
 
         await self.session_turn((model, system), start, self._ready,
                                 lambda warm, streamer: self._converse(warm, streamer, prompt),
-                                self._interrupt, Streamer(events, hold=E2_FENCE))
+                                self._interrupt, self.streamer(events, hold=E2_FENCE))
 
     async def _ready(self, warm: Warm) -> bool:
         """A warm process that was cleared after its last request: read the ``/clear``
         confirmation (a ``result``) before it takes the next one."""
-        if not warm.state.pop("clearing", False):
-            return True
+        wire = warm.wire
+        if wire.state is not State.CLEARING:
+            return wire.ready
         with trio.move_on_after(CLEAR_S):
             while True:
-                event = await warm.tool.receive_json()
+                event = await wire.receive(warm.tool.receive_json)
                 if event is None:
                     return False
                 if event.get("type") == "result":
+                    wire.handle(Event.CLEARED)
                     return True
         return False
 
     async def _clear(self, warm: Warm) -> bool:
         """Start a fresh conversation for the next request (confirmed in `_ready`)."""
         try:
-            await warm.tool.send_line(_user_line("/clear"))
+            await warm.wire.send(Event.SEND_CLEAR, functools.partial(
+                warm.tool.send_line, _user_line("/clear")))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return False
-        warm.state["clearing"] = True
         return True
 
     async def _converse(self, warm: Warm, streamer: Streamer, prompt: str) -> Turned:
-        tool = warm.tool
+        tool, wire = warm.tool, warm.wire
         try:
-            await tool.send_line(_user_line(prompt))
+            await wire.send(Event.SEND_TURN, functools.partial(tool.send_line,
+                                                               _user_line(prompt)))
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise Broken(self.ended_early(tool)) from exc
-        turn = await read_turn(tool, streamer)
+        turn = await read_turn(tool, streamer, wire)
         if turn is None:
             raise Broken(self.ended_early(tool))
+        wire.handle(Event.TURN_END)
         outcome = classify(self.name, *turn)
         if isinstance(outcome, RelayError) and outcome.reason == "auth_required":
             return Turned(outcome, keep=False)   # a fresh process picks up a new login
@@ -310,14 +318,21 @@ class ClaudeCLIAdapter(CLIAdapter):
         return Turned(outcome, keep=await self._clear(warm))
 
     async def _interrupt(self, warm: Warm) -> bool:
-        tool = warm.tool
-        await tool.send_line({"type": "control_request",
-                              "request_id": f"relay-interrupt-{next(self._ids)}",
-                              "request": {"subtype": "interrupt"}})
-        while True:
-            event = await tool.receive_json()
-            if event is None:
-                return False
-            if event.get("type") == "result":   # the aborted turn's result: confirmed
-                return await self._clear(warm)
-
+        """Settle what the wire says is outstanding; True once a fresh conversation is
+        on its way (/clear written)."""
+        tool, wire = warm.tool, warm.wire
+        if wire.state is State.IN_TURN:
+            await wire.send(Event.SEND_INTERRUPT, functools.partial(tool.send_line, {
+                "type": "control_request", "request_id":
+                    f"relay-interrupt-{next(self._ids)}", "request": {"subtype": "interrupt"}}))
+        if wire.state is State.INTERRUPTING:
+            while True:
+                event = await wire.receive(tool.receive_json)
+                if event is None:
+                    return False
+                if event.get("type") == "result":   # the aborted turn's result: confirmed
+                    wire.handle(Event.TURN_END)
+                    break
+        if wire.state is State.IDLE:
+            return await self._clear(warm)
+        return wire.keepable

@@ -42,12 +42,14 @@ from ._cli import (
     Outcome,
     Rpc,
     Streamer,
+    TextBuffer,
     Turned,
     Warm,
     refuse,
     tool_error,
 )
 from ._process import ToolProcess
+from ._session import Event, State, Wire
 
 __all__ = ["CodexCLIAdapter", "CodexSettings", "codex_failure"]
 
@@ -156,10 +158,9 @@ class CodexCLIAdapter(CLIAdapter):
             argv += ["-c", f"model_instructions_file={_toml_str(str(path))}"]
         argv += [*self.settings.args, "-"]    # "-": the prompt comes on stdin
         await self.oneshot(argv, self.env(), prompt.encode(), self._read_exec,
-                           Streamer(events))
+                           self.streamer(events))
 
     async def _read_exec(self, tool: ToolProcess, streamer: Streamer) -> Outcome:
-        texts: list[str] = []
         signals: list[str] = []
         while True:
             event = await tool.receive_json()
@@ -169,8 +170,9 @@ class CodexCLIAdapter(CLIAdapter):
             if kind == "item.completed":
                 item = event.get("item") or {}
                 if item.get("type") == "agent_message" and isinstance(item.get("text"), str):
-                    await streamer.delta(("\n\n" if texts else "") + item["text"])
-                    texts.append(item["text"])
+                    # exec sends no deltas: each message is one (the streamer keeps them)
+                    await streamer.delta(("\n\n" if streamer.buffer.chars else "")
+                                         + item["text"])
             elif kind == "error":
                 message = str(event.get("message") or "")
                 if _hidden_retry(message):
@@ -181,7 +183,7 @@ class CodexCLIAdapter(CLIAdapter):
                 raise codex_failure(self.name, str(error.get("message") or
                                                    "; ".join(signals) or event))
             elif kind == "turn.completed":
-                return Outcome("\n\n".join(texts), usage=_usage(event.get("usage")),
+                return Outcome(streamer.seen, usage=_usage(event.get("usage")),
                                error_signal="; ".join(signals) or None)
 
     # --- session ------------------------------------------------------------------------
@@ -190,30 +192,33 @@ class CodexCLIAdapter(CLIAdapter):
         model = self.model_for(call)
         await self.session_turn(None, self._start, None,
                                 lambda w, s: self._converse(w, s, model, system, prompt),
-                                self._interrupt, Streamer(events))
+                                self._interrupt, self.streamer(events))
 
     async def _start(self) -> Warm:
         argv = [self.command, "app-server", *self.config_args(), *self.settings.args]
         tool = await self.spawn(argv, self.env())
+        wire = Wire()
         try:
-            rpc = Rpc(tool, jsonrpc=False, answer=refuse)
+            rpc = Rpc(tool, wire, jsonrpc=False, answer=refuse)
             reply = await rpc.wait_response(await rpc.request(
                 "initialize", {"clientInfo": {"name": "relay", "version": "1"}}))
             if reply is None or "error" in reply:
                 raise self.ended_early(tool, " (initialize)") if reply is None else \
                     codex_failure(self.name, str(reply["error"].get("message")))
+            wire.handle(Event.REPLY)
             await rpc.notify("initialized")
         except BaseException:
             with trio.CancelScope(shield=True, deadline=trio.current_time() + 5):
                 await tool.aclose()
             raise
-        return Warm(tool, state={"rpc": rpc})
+        return Warm(tool, state={"rpc": rpc}, wire=wire)
 
     async def _converse(self, warm: Warm, streamer: Streamer, model: str | None,
                         system: str | None, prompt: str) -> Turned:
         rpc: Rpc = warm.state["rpc"]
+        wire = warm.wire
         state = warm.state
-        state.update(thread=None, turn=None, pending=None)
+        state.update(thread=None, turn=None)
         params: dict[str, Any] = {"cwd": str(self.workdir), "ephemeral": True}
         if model:
             params["model"] = model
@@ -222,20 +227,20 @@ class CodexCLIAdapter(CLIAdapter):
         if not self.settings.agent_tools:
             params.update(sandbox="read-only", approvalPolicy="never")
         try:
-            state["pending"] = await rpc.request("thread/start", params)
-            reply = await rpc.wait_response(state["pending"])
+            reply = await rpc.wait_response(await rpc.request("thread/start", params))
             if reply is None:
                 raise Broken(self.ended_early(warm.tool, " (thread/start)"))
-            state["pending"] = None
+            wire.handle(Event.REPLY)
             if "error" in reply:
                 return Turned(codex_failure(self.name, str(reply["error"].get("message"))))
-            thread = state["thread"] = reply["result"]["thread"]["id"]
-            state["pending"] = await rpc.request("turn/start", {
+            thread = state["thread"] = _field(self.name, reply, "thread/start",
+                                              "result", "thread", "id")
+            await rpc.request("turn/start", {
                 "threadId": thread, "input": [{"type": "text", "text": prompt,
-                                               "text_elements": []}]})
+                                               "text_elements": []}]}, Event.SEND_TURN)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise Broken(self.ended_early(warm.tool)) from exc
-        texts: list[str] = []
+        texts = TextBuffer(self.name, self.answer_limit)
         signals: list[str] = []
         usage: Usage | None = None
         while True:
@@ -243,12 +248,14 @@ class CodexCLIAdapter(CLIAdapter):
             if msg is None:
                 raise Broken(self.ended_early(warm.tool))
             if "method" not in msg:
-                if msg.get("id") == state["pending"]:
-                    state["pending"] = None
-                    if "error" in msg:
+                if wire.pending is not None and msg.get("id") == wire.pending:
+                    wire.handle(Event.REPLY)
+                    if "error" in msg:   # the turn never started
+                        wire.handle(Event.TURN_END)
                         return Turned(codex_failure(self.name,
                                                     str(msg["error"].get("message"))))
-                    state["turn"] = msg["result"]["turn"]["id"]
+                    state["turn"] = _field(self.name, msg, "turn/start", "result", "turn",
+                                           "id")
                 continue
             params = msg.get("params") or {}
             if params.get("threadId") != thread:
@@ -259,7 +266,7 @@ class CodexCLIAdapter(CLIAdapter):
             elif method == "item/completed":
                 item = params.get("item") or {}
                 if item.get("type") == "agentMessage" and isinstance(item.get("text"), str):
-                    texts.append(item["text"])
+                    texts.append(("\n\n" if texts.chars else "") + item["text"])
             elif method == "thread/tokenUsage/updated":
                 last = (params.get("tokenUsage") or {}).get("last") or {}
                 usage = Usage(last.get("inputTokens"), last.get("outputTokens"),
@@ -274,9 +281,10 @@ class CodexCLIAdapter(CLIAdapter):
             elif method == "turn/completed":
                 turn = params.get("turn") or {}
                 status = turn.get("status")
+                wire.handle(Event.TURN_END)
                 state["turn"] = None
                 if status == "completed":
-                    return Turned(Outcome("\n\n".join(texts), usage=usage,
+                    return Turned(Outcome(texts.text, usage=usage,
                                           error_signal="; ".join(signals) or None))
                 error = turn.get("error") or {}
                 message = str(error.get("message") or "; ".join(signals) or
@@ -284,27 +292,56 @@ class CodexCLIAdapter(CLIAdapter):
                 return Turned(codex_failure(self.name, message, error.get("codexErrorInfo")))
 
     async def _interrupt(self, warm: Warm) -> bool:
+        """Settle what the wire says is outstanding; True once the process is idle."""
         rpc: Rpc = warm.state["rpc"]
+        wire = warm.wire
         state = warm.state
-        if state.get("pending") is not None:   # thread/start or turn/start not answered
-            reply = await rpc.wait_response(state["pending"])
-            if reply is None:
+        if wire.state is State.AWAITING_REPLY:   # thread/start: its reply ends it
+            if await rpc.wait_response(wire.pending) is None:
                 return False
-            result = reply.get("result") or {}
-            if state.get("thread") is None:    # stopped while the thread was starting
-                return True
-            state["turn"] = (result.get("turn") or {}).get("id")
-        thread, turn = state.get("thread"), state.get("turn")
-        if thread is None or turn is None:
-            return True
-        await rpc.request("turn/interrupt", {"threadId": thread, "turnId": turn})
-        while True:   # its (empty) response and the turn's end may come in either order
-            msg = await rpc.read()
-            if msg is None:
-                return False
-            params = msg.get("params") or {}
-            if msg.get("method") == "turn/completed" and params.get("threadId") == thread:
-                return True
+            wire.handle(Event.REPLY)
+        if wire.state is State.IN_TURN:
+            if wire.pending is not None:   # turn/start's reply names the turn to stop
+                reply = await rpc.wait_response(wire.pending)
+                if reply is None:
+                    return False
+                wire.handle(Event.REPLY)
+                if "error" in reply:
+                    wire.handle(Event.TURN_END)
+                    return True
+                state["turn"] = ((reply.get("result") or {}).get("turn") or {}).get("id")
+            thread, turn = state.get("thread"), state.get("turn")
+            if turn is None:
+                return False   # no turn id to interrupt: not confirmable
+            await rpc.request("turn/interrupt", {"threadId": thread, "turnId": turn},
+                              Event.SEND_INTERRUPT)
+        if wire.state is State.INTERRUPTING:
+            thread = state.get("thread")
+            while True:   # its (empty) response and the turn's end may come in either order
+                msg = await rpc.read()
+                if msg is None:
+                    return False
+                if "method" not in msg:
+                    if wire.pending is not None and msg.get("id") == wire.pending:
+                        wire.handle(Event.REPLY)
+                    continue
+                params = msg.get("params") or {}
+                if msg.get("method") == "turn/completed" and params.get("threadId") == thread:
+                    wire.handle(Event.TURN_END)
+                    break
+        return wire.ready
+
+
+def _field(provider: str, msg: dict[str, Any], what: str, *path: str) -> Any:
+    """``msg[path…]``, or ``bad_upstream_response`` when codex's reply lacks it."""
+    value: Any = msg
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    if value is None:
+        raise RelayError("bad_upstream_response", f"provider {provider!r}: codex's reply to "
+                         f"{what} has no {'.'.join(path)}: {msg}", provider=provider,
+                         upstream_message=str(msg))
+    return value
 
 
 def _usage(raw: Any) -> Usage | None:

@@ -49,6 +49,7 @@ from ._cli import (
     tool_error,
 )
 from ._process import REAP_S, ToolProcess
+from ._session import Event, State, Wire
 
 __all__ = ["GeminiCLIAdapter", "GeminiSettings", "gemini_failure"]
 
@@ -175,10 +176,9 @@ class GeminiCLIAdapter(CLIAdapter):
             system_file.write_text(system, encoding="utf-8")
         argv = self.argv(self.model_for(call), session=False)
         await self.oneshot(argv, self.env(system_file), prompt.encode(), self._read_stream,
-                           Streamer(events))
+                           self.streamer(events))
 
     async def _read_stream(self, tool: ToolProcess, streamer: Streamer) -> Outcome:
-        text = ""
         signals: list[str] = []
         while True:
             event = await tool.receive_json()
@@ -196,15 +196,14 @@ class GeminiCLIAdapter(CLIAdapter):
             kind = event.get("type")
             if kind == "message" and event.get("role") == "assistant":
                 piece = str(event.get("content") or "")
-                if not event.get("delta") and text:
+                if not event.get("delta") and streamer.buffer.chars:
                     piece = "\n\n" + piece
-                text += piece
-                await streamer.delta(piece)
+                await streamer.delta(piece)   # the streamer keeps the text (linear)
             elif kind == "error":
                 signals.append(str(event.get("message") or event))
             elif kind == "result":
                 if event.get("status") == "success":
-                    return Outcome(text, usage=_usage(event.get("stats") or {}),
+                    return Outcome(streamer.seen, usage=_usage(event.get("stats") or {}),
                                    error_signal="; ".join(signals) or None)
                 error = event.get("error") or {}
                 message = str(error.get("message") or "; ".join(signals) or event)
@@ -220,8 +219,9 @@ class GeminiCLIAdapter(CLIAdapter):
         async def start() -> Warm:
             tool = await self.spawn(self.argv(model, session=True),
                                     self.env(self.system_file(system)))
+            wire = Wire()
             try:
-                rpc = Rpc(tool, jsonrpc=True, answer=_answer)
+                rpc = Rpc(tool, wire, jsonrpc=True, answer=_answer)
                 reply = await rpc.wait_response(await rpc.request("initialize", {
                     "protocolVersion": 1, "clientCapabilities": {
                         "fs": {"readTextFile": False, "writeTextFile": False}}}))
@@ -231,40 +231,45 @@ class GeminiCLIAdapter(CLIAdapter):
                     error = reply["error"]
                     raise gemini_failure(self.name, str(error.get("message")),
                                          code=error.get("code"))
+                wire.handle(Event.REPLY)
             except BaseException:
                 with trio.CancelScope(shield=True, deadline=trio.current_time() + 5):
                     await tool.aclose()
                 raise
-            return Warm(tool, key=(model, system), state={"rpc": rpc})
+            return Warm(tool, key=(model, system), state={"rpc": rpc}, wire=wire)
 
         await self.session_turn((model, system), start, None,
                                 lambda w, s: self._converse(w, s, prompt),
-                                self._interrupt, Streamer(events))
+                                self._interrupt, self.streamer(events))
 
     async def _converse(self, warm: Warm, streamer: Streamer, prompt: str) -> Turned:
         rpc: Rpc = warm.state["rpc"]
+        wire = warm.wire
         state = warm.state
-        state.update(session=None, pending=None)
+        state.update(session=None)
         try:
-            state["pending"] = await rpc.request(
-                "session/new", {"cwd": str(self.workdir), "mcpServers": []})
-            reply = await rpc.wait_response(state["pending"])
+            reply = await rpc.wait_response(await rpc.request(
+                "session/new", {"cwd": str(self.workdir), "mcpServers": []}))
             if reply is None:
                 raise Broken(self.ended_early(warm.tool, " (session/new)"))
-            state["pending"] = None
+            wire.handle(Event.REPLY)
             if "error" in reply:
                 error = reply["error"]
                 return Turned(gemini_failure(self.name, str(error.get("message")),
                                              code=error.get("code")))
-            session = state["session"] = reply["result"]["sessionId"]
-            state["pending"] = await rpc.request("session/prompt", {
-                "sessionId": session, "prompt": [{"type": "text", "text": prompt}]})
+            session = (reply.get("result") or {}).get("sessionId")
+            if not isinstance(session, str):
+                raise RelayError("bad_upstream_response", f"provider {self.name!r}: "
+                                 f"gemini's reply to session/new has no sessionId: {reply}",
+                                 provider=self.name, upstream_message=str(reply))
+            state["session"] = session
+            prompt_id = await rpc.request("session/prompt", {
+                "sessionId": session, "prompt": [{"type": "text", "text": prompt}]},
+                Event.SEND_TURN)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise Broken(self.ended_early(warm.tool)) from exc
-        text = ""
 
         async def on_message(msg: dict[str, Any]) -> None:
-            nonlocal text
             params = msg.get("params") or {}
             update = params.get("update") or {}
             if msg.get("method") != "session/update" or params.get("sessionId") != session:
@@ -272,13 +277,13 @@ class GeminiCLIAdapter(CLIAdapter):
             content = update.get("content") or {}
             if update.get("sessionUpdate") == "agent_message_chunk" and content.get(
                     "type") == "text":
-                text += str(content.get("text") or "")
                 await streamer.delta(str(content.get("text") or ""))
 
-        reply = await rpc.wait_response(state["pending"], on_message)
+        reply = await rpc.wait_response(prompt_id, on_message)
         if reply is None:
             raise Broken(self.ended_early(warm.tool))
-        state.update(pending=None, session=None)
+        wire.handle(Event.TURN_END)   # the prompt's response ends the turn
+        state.update(session=None)
         if "error" in reply:
             error = reply["error"]
             return Turned(gemini_failure(self.name, str(error.get("message")),
@@ -288,7 +293,8 @@ class GeminiCLIAdapter(CLIAdapter):
         quota = ((result.get("_meta") or {}).get("quota") or {}).get("token_count") or {}
         usage = _usage(quota) if quota else None
         if reason in ("end_turn", "max_tokens", "max_turn_requests"):
-            return Turned(Outcome(text, finish="length" if reason == "max_tokens" else "stop",
+            return Turned(Outcome(streamer.seen,
+                                  finish="length" if reason == "max_tokens" else "stop",
                                   usage=usage))
         if reason == "refusal":
             return Turned(tool_error("rejected", self.name, "gemini refused to answer",
@@ -297,15 +303,22 @@ class GeminiCLIAdapter(CLIAdapter):
                                  f"({reason})", json.dumps(result)))
 
     async def _interrupt(self, warm: Warm) -> bool:
+        """Settle what the wire says is outstanding; True once the process is idle."""
         rpc: Rpc = warm.state["rpc"]
-        state = warm.state
-        pending = state.get("pending")
-        if pending is None:
-            return True
-        if state.get("session") is not None:
-            await rpc.notify("session/cancel", {"sessionId": state["session"]})
-        # The pending call's response confirms it (session/new answers as it would).
-        return await rpc.wait_response(pending) is not None
+        wire = warm.wire
+        if wire.state is State.AWAITING_REPLY:   # session/new: its reply ends it
+            if await rpc.wait_response(wire.pending) is None:
+                return False
+            wire.handle(Event.REPLY)
+        if wire.state is State.IN_TURN:
+            await rpc.notify("session/cancel", {"sessionId": warm.state["session"]},
+                             Event.SEND_INTERRUPT)
+        if wire.state is State.INTERRUPTING:
+            # The prompt's response (stopReason cancelled) confirms it.
+            if await rpc.wait_response(wire.pending) is None:
+                return False
+            wire.handle(Event.TURN_END)
+        return wire.ready
 
 
 def _answer(msg: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,13 @@ behave as they do on signals and on their interrupt messages. Stdlib only; each 
   slow              100 deltas, 0.05 s apart; honours SIGINT and the interrupt message
   stubborn          like slow, but ignores SIGINT, SIGTERM and the interrupt message
   die               one delta, then exits 3 with a message on stderr
+  huge              an answer of 33 MiB in 1 MiB deltas
+  linger            (codex exec) exits 5 s after its final event, with status 0
+  emptyexit         (codex exec) completes with no answer, then exits 1 with words on
+                    stderr
+  flaky             the first run of a test dies after three deltas; later ones answer
+                    the long text of ``longusage``
+  badreply          (warm codex, gemini) thread/start, session/new reply without an id
   …                 tool-specific failures (see each tool's SCENARIOS)
 
 Launchers: ``codex`` spawns a "native" child that does the work (as the npm launcher does
@@ -20,6 +27,9 @@ ignores SIGINT/SIGTERM) unless GEMINI_CLI_NO_RELAUNCH=true. So a relay that sign
 kills only the pid it started leaves a process behind — which the tests look for.
 
 FAKE_CLI_LOG names a file that gets one JSON line per process start and per turn.
+FAKE_CLI_STDIN_STALL_S makes a warm tool stop reading its stdin for that long in the
+middle of a line over 16 KiB (see `read_stdin_lines`); a stdin line that is not JSON is
+ignored and never answered, as by the real tools.
 """
 
 from __future__ import annotations
@@ -78,10 +88,24 @@ def pieces(scenario: str, tool: str, prompt: str, system: str | None,
         return ["history: ", " || ".join(history)]
     if scenario in ("slow", "stubborn"):
         return [f"tick{i} " for i in range(SLOW_N)]
-    if scenario == "longusage":
+    if scenario == "huge":   # 33 MiB: over relay's 32 MiB bound for one answer
+        return ["y" * (1 << 20)] * 33
+    if scenario in ("longusage", "flaky"):
         words = LONG_USAGE.split(" ")
         return [w + " " for w in words[:-1]] + [words[-1]]
     return ["Hello ", "from the fake ", f"{tool} ", f"(FAKE-{tool.upper()}-OK)."]
+
+
+def first_flaky() -> bool:
+    """True for the first "flaky" turn of a test (a marker beside FAKE_CLI_LOG)."""
+    path = os.environ.get("FAKE_CLI_LOG")
+    if not path:
+        return False
+    try:
+        with open(path + ".flaky", "x"):
+            return True
+    except FileExistsError:
+        return False
 
 
 class Stopper:
@@ -100,7 +124,8 @@ class Stopper:
         for i, part in enumerate(parts):
             if self.event.is_set():
                 return False
-            if scenario == "die" and i == 1:
+            if (scenario == "die" and i == 1) or (scenario == "flaky" and i == 3
+                                                  and first_flaky()):
                 sys.stderr.write("fake tool: crashed mid-answer (FAKE-CRASH)\n")
                 sys.stderr.flush()
                 os._exit(3)
@@ -110,11 +135,53 @@ class Stopper:
         return not self.event.is_set()
 
 
+STALL_AT = 16 * 1024   # FAKE_CLI_STDIN_STALL_S: a line longer than this stalls stdin
+
+
+def read_stdin_lines() -> Any:
+    """The lines of a warm tool's stdin, read raw. With ``FAKE_CLI_STDIN_STALL_S`` set,
+    a line longer than `STALL_AT` makes the tool stop reading for that long (once per
+    line, logged as ``stdin-stall``), as a busy tool does: whoever writes the rest of
+    that line blocks once the pipe's buffer (64 KiB) is full."""
+    stall = float(os.environ.get("FAKE_CLI_STDIN_STALL_S") or 0)
+    buf = b""
+    stalled = False
+    while True:
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            if buf:
+                yield buf.decode("utf-8", "replace")
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, _, buf = buf.partition(b"\n")
+            stalled = False
+            yield line.decode("utf-8", "replace") + "\n"
+        if stall and not stalled and len(buf) > STALL_AT:
+            stalled = True
+            log(event="stdin-stall", pending=len(buf))
+            time.sleep(stall)
+
+
+def parse_line(line: str) -> dict[str, Any] | None:
+    """One stdin line as JSON; a line that is not (half a message glued onto the next)
+    is reported on stderr and ignored, as the real tools do — nobody answers it."""
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        sys.stderr.write(f"fake tool: ignored a line that is not JSON ({len(line)} "
+                         "characters)\n")
+        sys.stderr.flush()
+        log(event="bad-line", size=len(line))
+        return None
+    return msg if isinstance(msg, dict) else None
+
+
 def stdin_lines() -> queue.Queue[str | None]:
     q: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:
-        for line in sys.stdin:
+        for line in read_stdin_lines():
             q.put(line)
         q.put(None)
 
@@ -242,8 +309,10 @@ class Claude:
         current: dict[str, Stopper] = {}
 
         def dispatch() -> None:   # control requests act at once; turns wait their turn
-            for line in sys.stdin:
-                msg = json.loads(line)
+            for line in read_stdin_lines():
+                msg = parse_line(line)
+                if msg is None:
+                    continue
                 if msg.get("type") == "control_request":
                     stopper = current.get("stopper")
                     if stopper is not None and stopper.stubborn:
@@ -343,13 +412,20 @@ class Codex:
         collected: list[str] = []
         if not stopper.stream(parts, collected.append, s):   # exec sends no deltas
             return 1   # SIGINT: exit 1 with no turn.failed line
-        emit({"type": "item.completed", "item": {"id": "item_1", "type": "agent_message",
-                                                 "text": "".join(collected)}})
+        if s != "emptyexit":
+            emit({"type": "item.completed", "item": {"id": "item_1",
+                                                     "type": "agent_message",
+                                                     "text": "".join(collected)}})
         if s == "salvage":
             emit({"type": "error", "message": "FAKE-SALVAGE: failed to record the rollout"})
         emit({"type": "turn.completed", "usage": {"input_tokens": 10, "cached_input_tokens": 0,
                                                   "output_tokens": 4,
                                                   "reasoning_output_tokens": 0}})
+        if s == "linger":   # still busy after its final event (flushing, say)
+            time.sleep(5)
+        if s == "emptyexit":
+            sys.stderr.write("Error: FAKE-EMPTY-EXIT: the rollout could not be written\n")
+            return 1
         return 1 if s == "salvage" else 0
 
     def app(self) -> int:
@@ -363,7 +439,9 @@ class Codex:
             line = lines.get()
             if line is None:
                 return 0
-            msg = json.loads(line)
+            msg = parse_line(line)
+            if msg is None:
+                continue
             method, params = msg.get("method"), msg.get("params") or {}
             if method == "initialize":
                 reply(msg, {"userAgent": "codex-fake/0.171.0"})
@@ -372,6 +450,9 @@ class Codex:
                 self.threads[tid] = []
                 current["model"] = params.get("model") or self.model
                 current["system"] = params.get("baseInstructions")
+                if current["model"] == "badreply":   # a reply without the thread's id
+                    reply(msg, {"thread": {"status": "idle"}})
+                    continue
                 reply(msg, {"thread": {"id": tid}})
                 emit({"method": "thread/started", "params": {"thread": {"id": tid}}})
             elif method == "turn/start":
@@ -527,7 +608,9 @@ class Gemini:
             line = lines.get()
             if line is None:
                 return 0
-            msg = json.loads(line)
+            msg = parse_line(line)
+            if msg is None:
+                continue
             method, params = msg.get("method"), msg.get("params") or {}
             if method == "initialize":
                 reply(msg, {"protocolVersion": 1, "authMethods": [],
@@ -538,6 +621,9 @@ class Gemini:
                     continue
                 sid = str(uuid.uuid4())
                 self.sessions[sid] = []
+                if self.model == "badreply":   # a reply without the session's id
+                    reply(msg, {"modes": {"currentModeId": "plan"}})
+                    continue
                 reply(msg, {"sessionId": sid, "modes": {"currentModeId": "plan"}})
             elif method == "session/prompt":
                 sid = params["sessionId"]
