@@ -36,10 +36,9 @@ from typing import Any
 import attrs
 
 from relay.config import Profile
-from relay.errors import RelayError
+from relay.errors import RelayError, excerpt
 from relay.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
 from relay.http import HTTPSettings
-from relay.redact import head
 
 from .base import upstream_failure
 from .cloud import CloudAdapter, data_url, obj, stop_sequences, tool_calls
@@ -471,7 +470,8 @@ class AnthropicAdapter(CloudAdapter):
                 if not isinstance(event, dict):
                     raise ValueError("not an object")
             except ValueError:
-                await events.send(Skipped(f"{name or 'event'}: not JSON: {head(data, 120)!r}"))
+                await events.send(Skipped(f"{name or 'event'}: not JSON: "
+                                          f"{excerpt(data, 120)!r}"))
                 return False
             event.setdefault("type", name)
             for out in reader.feed(event):

@@ -18,8 +18,7 @@ import json
 import os
 from typing import Any, ClassVar
 
-from relay.errors import RelayError
-from relay.redact import head
+from relay.errors import RelayError, excerpt
 
 from .base import DRAIN_AFTER_FINAL_S, HTTPAdapter, SSEDecoder, upstream_failure
 
@@ -147,7 +146,7 @@ class CloudAdapter(HTTPAdapter):
 
     def unreadable(self, what: str, text: str) -> RelayError:
         return RelayError("bad_upstream_response", f"provider {self.name!r} sent {what} relay "
-                          f"cannot read: {head(text, 300)!r}", provider=self.name,
+                          f"cannot read: {excerpt(text, 300)!r}", provider=self.name,
                           upstream_message=text)
 
     async def get_json(self, url: str, what: str) -> Any:

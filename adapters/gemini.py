@@ -38,10 +38,9 @@ from urllib.parse import quote
 import attrs
 
 from relay.config import Profile
-from relay.errors import RelayError
+from relay.errors import RelayError, excerpt
 from relay.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
 from relay.http import HTTPSettings
-from relay.redact import head
 
 from .base import upstream_failure
 from .cloud import CloudAdapter, data_url, obj, stop_sequences, tool_calls
@@ -462,7 +461,7 @@ class GeminiAdapter(CloudAdapter):
                 if not isinstance(chunk, dict):
                     raise ValueError("not an object")
             except ValueError:
-                await events.send(Skipped(f"not JSON: {head(data, 120)!r}"))
+                await events.send(Skipped(f"not JSON: {excerpt(data, 120)!r}"))
                 return False
             for out in reader.feed(chunk):
                 await events.send(out)

@@ -244,9 +244,7 @@ def _echo(ex: Exchange) -> str:
 async def _echo_401(up: Hostile, ex: Exchange, plan: Plan, model: str, dialect: str,
                     stream: bool) -> None:
     said = f"Incorrect API key provided. {_echo(ex)}."
-    message = said
-    while len(message) < plan.size:
-        message += " " + said
+    message = " ".join([said] * (plan.size // (len(said) + 1) + 1))
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
                                  "code": "invalid_api_key"}}).encode()
     await up.start(ex, 401, {"content-type": "application/json",

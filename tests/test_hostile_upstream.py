@@ -8,11 +8,13 @@ checks what the client, the status, the log and the records got.
 
 from __future__ import annotations
 
+import gzip
 import inspect
 import io
 import json
 import logging
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ import relay
 from adapters.base import MAX_SSE_BYTES, SSEDecoder, SSETooLarge
 from relay import redact
 from relay.errors import MAX_WORDS_BYTES, REASONS, RelayError, bound_text
-from relay.http import transport_errors
+from relay.http import PIECE_BYTES, UpstreamBody, read_answer, read_error_text, transport_errors
 
 CHAT = "/v1/chat/completions"
 DEFAULT_BOUND = 32 * MiB
@@ -137,6 +139,63 @@ async def test_the_bound_is_the_configured_one(nursery: trio.Nursery, tmp_path: 
     r = await client.post(served.url + CHAT, json=chat("up/m"))
     err = e1(r, 502, "bad_upstream_response")
     assert "200000" in err["message"]
+
+
+def response(data: bytes, encoding: str | None = None) -> httpx.Response:
+    headers = {"content-encoding": encoding} if encoding else {}
+    return httpx.Response(200, headers=headers, stream=httpx.ByteStream(data))
+
+
+async def pieces_of(resp: httpx.Response) -> list[bytes]:
+    body = UpstreamBody(resp, "up")
+    out = []
+    while (piece := await body.piece()) is not None:
+        out.append(piece)
+    return out
+
+
+def _deflate(data: bytes, wbits: int) -> bytes:
+    comp = zlib.compressobj(6, zlib.DEFLATED, wbits)
+    return comp.compress(data) + comp.flush()
+
+
+TEXTS = {"identity": (None, lambda d: d), "gzip": ("gzip", gzip.compress),
+         "x-gzip": ("x-gzip", gzip.compress),
+         "deflate (zlib)": ("deflate", lambda d: _deflate(d, zlib.MAX_WBITS)),
+         "deflate (raw)": ("deflate", lambda d: _deflate(d, -zlib.MAX_WBITS)),
+         "two gzip members": ("gzip", lambda d: gzip.compress(d[:500]) + gzip.compress(d[500:]))}
+
+
+@pytest.mark.parametrize("name", TEXTS)
+async def test_bodies_are_decoded_by_relay(name: str) -> None:
+    encoding, encode = TEXTS[name]
+    data = json.dumps({"text": "ok " * 2000}).encode()
+    assert b"".join(await pieces_of(response(encode(data), encoding))) == data
+
+
+async def test_a_bomb_comes_out_in_bounded_pieces() -> None:
+    data = gzip.compress(b"\0" * (16 * MiB))
+    pieces = await pieces_of(response(data, "gzip"))  # one 16 KB network chunk
+    assert sum(map(len, pieces)) == 16 * MiB
+    assert max(map(len, pieces)) <= PIECE_BYTES
+
+
+@pytest.mark.parametrize("encoding", ["br", "zstd", "gzip, gzip"])
+async def test_an_encoding_relay_did_not_ask_for_is_refused(encoding: str) -> None:
+    with pytest.raises(RelayError) as info:
+        await pieces_of(response(b"xx", encoding))
+    assert info.value.reason == "bad_upstream_response" and encoding in info.value.message
+
+
+async def test_read_answer_and_read_error_text_stop_at_their_bounds() -> None:
+    assert await read_answer(response(b"a" * 1000), "up", 1000) == "a" * 1000
+    with pytest.raises(RelayError, match="max_upstream_bytes \\(999 bytes"):
+        await read_answer(response(gzip.compress(b"a" * 1000), "gzip"), "up", 999)
+    assert await read_error_text(response(b"e" * 1000), "up", 1000) == "e" * 1000
+    cut = await read_error_text(response(gzip.compress(b"e" * 5000), "gzip"), "up", 1000)
+    assert cut == "e" * 1000 + "… [≥ 1001 bytes]"  # asked zlib for one byte past it
+    # An error body that cannot be decoded keeps what was read: the status says enough.
+    assert await read_error_text(response(b"not gzip", "gzip"), "up", 1000) == ""
 
 
 # --- 4. a body httpx cannot decode is a 502, never a bare 500 ----------------------------
