@@ -142,7 +142,7 @@ class _Inflate:
             rest = self._d.unused_data
             self._more = False
             self._input = b""
-            if self._gzip and rest.strip(b"\0"):  # another gzip member follows
+            if self._gzip and rest.startswith(b"\x1f\x8b"):  # another gzip member follows
                 self._d = zlib.decompressobj(zlib.MAX_WBITS | 16)
                 self._input = rest
         return out

@@ -287,6 +287,22 @@ async def test_unicode_line_separators_stay_inside_their_event(
     assert "skipped_events" not in records(tmp_path)[0]
 
 
+async def test_data_lines_without_blank_lines_between_are_each_a_chunk(
+        nursery: trio.Nursery, tmp_path: Path, up: Hostile,
+        client: httpx.AsyncClient) -> None:
+    # Some OpenAI-compatible servers leave out the blank line: an SSE reader then sees one
+    # event of many data lines; the openai adapter reads each line as its own chunk.
+    up.plans["m"] = Plan("no_blank_lines")
+    served = await start_relay(nursery, config(up), tmp_path)
+    r = await client.post(served.url + CHAT, json=chat("up/m", stream=True))
+    events = sse_data(r.content)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                   if isinstance(e, dict) and e.get("choices")) == TEXT
+    await wait_for(lambda: len(records(tmp_path)) >= 1)
+    assert "skipped_events" not in records(tmp_path)[0]
+
+
 def test_sse_lines_end_at_cr_lf_and_crlf_only() -> None:
     stream = ("data: a\u2028b\u2029c\u0085d\x0be\x0cf\x1cg\r\n\r\n"   # CRLF
               "data: two\r\rdata: three\n\n"                          # CR, LF
