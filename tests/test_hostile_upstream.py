@@ -198,6 +198,18 @@ async def test_read_answer_and_read_error_text_stop_at_their_bounds() -> None:
     assert await read_error_text(response(b"not gzip", "gzip"), "up", 1000) == ""
 
 
+async def test_a_reload_changes_the_bound(nursery: trio.Nursery, tmp_path: Path, up: Hostile,
+                                          client: httpx.AsyncClient) -> None:
+    up.plans["m"] = Plan("huge", size=300_000)
+    served = await start_relay(nursery, config(up, server="max_upstream_bytes = 200000"),
+                               tmp_path)
+    e1(await client.post(served.url + CHAT, json=chat("up/m")), 502, "bad_upstream_response")
+    await served.relay.reload(config_from(config(up, server="max_upstream_bytes = 400000"),
+                                          tmp_path))
+    r = await client.post(served.url + CHAT, json=chat("up/m"))
+    assert r.status_code == 200, r.text[:300]
+
+
 # --- 4. a body httpx cannot decode is a 502, never a bare 500 ----------------------------
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
