@@ -37,10 +37,9 @@ import attrs
 
 from relay.api.adapter import Capabilities
 from relay.api.http import HTTPSettings
-from relay.vocab.errors import RelayError
+from relay.vocab.errors import RelayError, excerpt
 from relay.vocab.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
 from relay.vocab.profile import Profile
-from relay.vocab.redact import head
 
 from .base import upstream_failure
 from .cloud import CloudAdapter, data_url, obj, stop_sequences, tool_calls
@@ -473,7 +472,8 @@ class AnthropicAdapter(CloudAdapter):
                 if not isinstance(event, dict):
                     raise ValueError("not an object")
             except ValueError:
-                await events.send(Skipped(f"{name or 'event'}: not JSON: {head(data, 120)!r}"))
+                await events.send(Skipped(f"{name or 'event'}: not JSON: "
+                                          f"{excerpt(data, 120)!r}"))
                 return False
             event.setdefault("type", name)
             for out in reader.feed(event):

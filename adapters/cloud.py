@@ -18,13 +18,11 @@ import json
 import os
 from typing import Any, ClassVar
 
-from relay.vocab.errors import RelayError
-from relay.vocab.redact import head
+from relay.vocab.errors import RelayError, excerpt
 
-from .base import DRAIN_AFTER_FINAL_S, HTTPAdapter, SSEDecoder, upstream_failure
+from .base import HTTPAdapter
 
-__all__ = ["DRAIN_AFTER_FINAL_S", "CloudAdapter", "SSEDecoder", "data_url", "json_args", "obj",
-           "stop_sequences", "tool_calls"]
+__all__ = ["CloudAdapter", "data_url", "json_args", "obj", "stop_sequences", "tool_calls"]
 
 MAX_MODEL_PAGES = 20  # model discovery follows at most this many pages
 
@@ -142,12 +140,9 @@ class CloudAdapter(HTTPAdapter):
         return []
 
     # --- requests (the pooled client and its life are HTTPAdapter's) ---------------------
-    def failure(self, status: int, text: str, headers: Any) -> RelayError:
-        return upstream_failure(self.name, status, text, headers, key_hint=self.key_env)
-
     def unreadable(self, what: str, text: str) -> RelayError:
         return RelayError("bad_upstream_response", f"provider {self.name!r} sent {what} relay "
-                          f"cannot read: {head(text, 300)!r}", provider=self.name,
+                          f"cannot read: {excerpt(text, 300)!r}", provider=self.name,
                           upstream_message=text)
 
     async def get_json(self, url: str, what: str) -> Any:

@@ -39,10 +39,9 @@ import attrs
 
 from relay.api.adapter import Capabilities
 from relay.api.http import HTTPSettings
-from relay.vocab.errors import RelayError
+from relay.vocab.errors import RelayError, excerpt
 from relay.vocab.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
 from relay.vocab.profile import Profile
-from relay.vocab.redact import head
 
 from .base import upstream_failure
 from .cloud import CloudAdapter, data_url, obj, stop_sequences, tool_calls
@@ -464,7 +463,7 @@ class GeminiAdapter(CloudAdapter):
                 if not isinstance(chunk, dict):
                     raise ValueError("not an object")
             except ValueError:
-                await events.send(Skipped(f"not JSON: {head(data, 120)!r}"))
+                await events.send(Skipped(f"not JSON: {excerpt(data, 120)!r}"))
                 return False
             for out in reader.feed(chunk):
                 await events.send(out)

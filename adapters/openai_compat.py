@@ -26,10 +26,9 @@ import attrs
 
 from relay.api.adapter import Capabilities
 from relay.api.http import HTTPSettings
-from relay.vocab.errors import RelayError
+from relay.vocab.errors import RelayError, excerpt
 from relay.vocab.events import Call, Delta, EventSink, Finish, Skipped, Usage
 from relay.vocab.profile import Profile
-from relay.vocab.redact import head
 
 from .base import HTTPAdapter, upstream_failure
 
@@ -145,7 +144,7 @@ class OpenAIAdapter(HTTPAdapter):
             return [str(m["id"]) for m in json.loads(text)["data"]]
         except (ValueError, KeyError, TypeError) as exc:
             raise RelayError("bad_upstream_response", f"provider {self.name!r} sent a model "
-                             f"list relay cannot read: {head(text, 200)!r}",
+                             f"list relay cannot read: {excerpt(text, 200)!r}",
                              provider=self.name) from exc
 
     async def run(self, call: Call, events: EventSink) -> None:
@@ -175,10 +174,10 @@ class OpenAIAdapter(HTTPAdapter):
                         if line.strip() and await handle(name, line):
                             return True
                     return False
-                await events.send(Skipped(f"not JSON: {head(data, 120)!r}"))
+                await events.send(Skipped(f"not JSON: {excerpt(data, 120)!r}"))
                 return False
             if not isinstance(chunk, dict):
-                await events.send(Skipped(f"not an object: {head(data, 120)!r}"))
+                await events.send(Skipped(f"not an object: {excerpt(data, 120)!r}"))
                 return False
             await self._chunk(chunk, events, open_choices, finished)
             return False
@@ -217,8 +216,8 @@ class OpenAIAdapter(HTTPAdapter):
                 raise ValueError("no choices")
         except (ValueError, KeyError, TypeError) as exc:
             raise RelayError("bad_upstream_response", f"provider {self.name!r} sent an "
-                             f"answer relay cannot read: {head(text, 300)!r}", provider=self.name,
-                             upstream_message=text) from exc
+                             f"answer relay cannot read: {excerpt(text, 300)!r}",
+                             provider=self.name, upstream_message=text) from exc
         for choice in choices:
             index = choice.get("index", 0)
             message = choice.get("message") or {}

@@ -23,7 +23,9 @@ Plans (``size`` is the body's length, decompressed for ``gzip_bomb``):
   is padded with its message repeated to ``size`` bytes;
 - ``echo_stream``: a stream whose first event is not JSON and echoes the request
   headers, then a normal answer;
-- ``long_stream``: a valid stream of ``size`` bytes of answer text in 64 KiB deltas.
+- ``long_stream``: a valid stream of ``size`` bytes of answer text in 64 KiB deltas;
+- ``no_blank_lines``: an OpenAI stream whose events are ``data:`` lines with no blank
+  line between them (so, to an SSE reader, one event of many lines); text ``TEXT``.
 
 Observations: `sent` counts the body bytes each model's answers put on the wire before
 the peer stopped taking them (the server sends in 64 KiB pieces, so a reader that stops
@@ -49,7 +51,7 @@ PIECE = 64 * 1024
 TEXT = "line one\u2028line two\u2029para\u0085next — done"  # what `separators` says
 
 Kind = Literal["huge", "gzip_bomb", "bad_gzip", "sse_unterminated", "separators",
-               "echo_401", "echo_stream", "long_stream"]
+               "echo_401", "echo_stream", "long_stream", "no_blank_lines"]
 
 
 @attrs.define
@@ -244,9 +246,7 @@ def _echo(ex: Exchange) -> str:
 async def _echo_401(up: Hostile, ex: Exchange, plan: Plan, model: str, dialect: str,
                     stream: bool) -> None:
     said = f"Incorrect API key provided. {_echo(ex)}."
-    message = said
-    while len(message) < plan.size:
-        message += " " + said
+    message = " ".join([said] * (plan.size // (len(said) + 1) + 1))
     body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
                                  "code": "invalid_api_key"}}).encode()
     await up.start(ex, 401, {"content-type": "application/json",
@@ -276,9 +276,19 @@ async def _long_stream(up: Hostile, ex: Exchange, plan: Plan, model: str, dialec
     await ex.end()
 
 
+async def _no_blank_lines(up: Hostile, ex: Exchange, plan: Plan, model: str, dialect: str,
+                          stream: bool) -> None:
+    await ex.start_sse()
+    for event in _stream_events("openai", ["line one\u2028line", " two\u2029para",
+                                           "\u0085next", " — done"]):
+        await up.send(ex, model, event.replace(b"\n\n", b"\n"))
+    await ex.end()
+
+
 _PLANS = {"huge": _huge, "gzip_bomb": _gzip_bomb, "bad_gzip": _bad_gzip,
           "sse_unterminated": _sse_unterminated, "separators": _separators,
-          "echo_401": _echo_401, "echo_stream": _echo_stream, "long_stream": _long_stream}
+          "echo_401": _echo_401, "echo_stream": _echo_stream, "long_stream": _long_stream,
+          "no_blank_lines": _no_blank_lines}
 
 
 async def serve_hostile(*, task_status: trio.TaskStatus[Hostile] = trio.TASK_STATUS_IGNORED

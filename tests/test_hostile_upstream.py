@@ -8,11 +8,13 @@ checks what the client, the status, the log and the records got.
 
 from __future__ import annotations
 
+import gzip
 import inspect
 import io
 import json
 import logging
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from hostile_upstream import PIECE, TEXT, Hostile, MiB, Plan, gzip_answer, serve
 
 import relay
 from relay.adapters.base import MAX_SSE_BYTES, SSEDecoder, SSETooLarge
-from relay.api.http import transport_errors
+from relay.api.http import PIECE_BYTES, UpstreamBody, read_answer, read_error_text, transport_errors
 from relay.vocab import redact
 from relay.vocab.errors import MAX_WORDS_BYTES, REASONS, RelayError, bound_text
 
@@ -139,6 +141,75 @@ async def test_the_bound_is_the_configured_one(nursery: trio.Nursery, tmp_path: 
     assert "200000" in err["message"]
 
 
+def response(data: bytes, encoding: str | None = None) -> httpx.Response:
+    headers = {"content-encoding": encoding} if encoding else {}
+    return httpx.Response(200, headers=headers, stream=httpx.ByteStream(data))
+
+
+async def pieces_of(resp: httpx.Response) -> list[bytes]:
+    body = UpstreamBody(resp, "up")
+    out = []
+    while (piece := await body.piece()) is not None:
+        out.append(piece)
+    return out
+
+
+def _deflate(data: bytes, wbits: int) -> bytes:
+    comp = zlib.compressobj(6, zlib.DEFLATED, wbits)
+    return comp.compress(data) + comp.flush()
+
+
+TEXTS = {"identity": (None, lambda d: d), "gzip": ("gzip", gzip.compress),
+         "x-gzip": ("x-gzip", gzip.compress),
+         "deflate (zlib)": ("deflate", lambda d: _deflate(d, zlib.MAX_WBITS)),
+         "deflate (raw)": ("deflate", lambda d: _deflate(d, -zlib.MAX_WBITS)),
+         "two gzip members": ("gzip", lambda d: gzip.compress(d[:500]) + gzip.compress(d[500:]))}
+
+
+@pytest.mark.parametrize("name", TEXTS)
+async def test_bodies_are_decoded_by_relay(name: str) -> None:
+    encoding, encode = TEXTS[name]
+    data = json.dumps({"text": "ok " * 2000}).encode()
+    assert b"".join(await pieces_of(response(encode(data), encoding))) == data
+
+
+async def test_a_bomb_comes_out_in_bounded_pieces() -> None:
+    data = gzip.compress(b"\0" * (16 * MiB))
+    pieces = await pieces_of(response(data, "gzip"))  # one 16 KB network chunk
+    assert sum(map(len, pieces)) == 16 * MiB
+    assert max(map(len, pieces)) <= PIECE_BYTES
+
+
+@pytest.mark.parametrize("encoding", ["br", "zstd", "gzip, gzip"])
+async def test_an_encoding_relay_did_not_ask_for_is_refused(encoding: str) -> None:
+    with pytest.raises(RelayError) as info:
+        await pieces_of(response(b"xx", encoding))
+    assert info.value.reason == "bad_upstream_response" and encoding in info.value.message
+
+
+async def test_read_answer_and_read_error_text_stop_at_their_bounds() -> None:
+    assert await read_answer(response(b"a" * 1000), "up", 1000) == "a" * 1000
+    with pytest.raises(RelayError, match="max_upstream_bytes \\(999 bytes"):
+        await read_answer(response(gzip.compress(b"a" * 1000), "gzip"), "up", 999)
+    assert await read_error_text(response(b"e" * 1000), "up", 1000) == "e" * 1000
+    cut = await read_error_text(response(gzip.compress(b"e" * 5000), "gzip"), "up", 1000)
+    assert cut == "e" * 1000 + "… [≥ 1001 bytes]"  # asked zlib for one byte past it
+    # An error body that cannot be decoded keeps what was read: the status says enough.
+    assert await read_error_text(response(b"not gzip", "gzip"), "up", 1000) == ""
+
+
+async def test_a_reload_changes_the_bound(nursery: trio.Nursery, tmp_path: Path, up: Hostile,
+                                          client: httpx.AsyncClient) -> None:
+    up.plans["m"] = Plan("huge", size=300_000)
+    served = await start_relay(nursery, config(up, server="max_upstream_bytes = 200000"),
+                               tmp_path)
+    e1(await client.post(served.url + CHAT, json=chat("up/m")), 502, "bad_upstream_response")
+    await served.relay.reload(config_from(config(up, server="max_upstream_bytes = 400000"),
+                                          tmp_path))
+    r = await client.post(served.url + CHAT, json=chat("up/m"))
+    assert r.status_code == 200, r.text[:300]
+
+
 # --- 4. a body httpx cannot decode is a 502, never a bare 500 ----------------------------
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -224,6 +295,22 @@ async def test_unicode_line_separators_stay_inside_their_event(
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
                    if isinstance(e, dict) and e.get("choices"))
     assert text == TEXT
+    await wait_for(lambda: len(records(tmp_path)) >= 1)
+    assert "skipped_events" not in records(tmp_path)[0]
+
+
+async def test_data_lines_without_blank_lines_between_are_each_a_chunk(
+        nursery: trio.Nursery, tmp_path: Path, up: Hostile,
+        client: httpx.AsyncClient) -> None:
+    # Some OpenAI-compatible servers leave out the blank line: an SSE reader then sees one
+    # event of many data lines; the openai adapter reads each line as its own chunk.
+    up.plans["m"] = Plan("no_blank_lines")
+    served = await start_relay(nursery, config(up), tmp_path)
+    r = await client.post(served.url + CHAT, json=chat("up/m", stream=True))
+    events = sse_data(r.content)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                   if isinstance(e, dict) and e.get("choices")) == TEXT
     await wait_for(lambda: len(records(tmp_path)) >= 1)
     assert "skipped_events" not in records(tmp_path)[0]
 

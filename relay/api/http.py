@@ -142,7 +142,7 @@ class _Inflate:
             rest = self._d.unused_data
             self._more = False
             self._input = b""
-            if self._gzip and rest.strip(b"\0"):  # another gzip member follows
+            if self._gzip and rest.startswith(b"\x1f\x8b"):  # another gzip member follows
                 self._d = zlib.decompressobj(zlib.MAX_WBITS | 16)
                 self._input = rest
         return out
@@ -219,16 +219,22 @@ async def read_answer(resp: httpx.Response, provider: str, limit: int,
             mapped transport failure.
     """
     body = UpstreamBody(resp, provider, what)
-    data = bytearray()
-    while (piece := await body.piece(min(PIECE_BYTES, limit + 1 - len(data)))) is not None:
-        data += piece
-        if len(data) > limit:
+    # Pieces in a list, joined once at the end: a growing bytearray may be copied on
+    # realloc, and then two copies of the body exist at once.
+    pieces: list[bytes] = []
+    size = 0
+    while (piece := await body.piece(min(PIECE_BYTES, limit + 1 - size))) is not None:
+        pieces.append(piece)
+        size += len(piece)
+        if size > limit:
             raise RelayError(
                 "bad_upstream_response",
                 f"provider {provider!r} sent a {what} larger than max_upstream_bytes "
                 f"({limit} bytes, counted after decompression); relay stopped reading it "
                 f"there. Raise [server] max_upstream_bytes if answers this large are "
                 "expected.", provider=provider)
+    data = b"".join(pieces)
+    pieces.clear()
     return data.decode("utf-8", "replace")
 
 

@@ -42,10 +42,10 @@ from typing import Any, Final
 
 import attrs
 
-from .redact import redact, redact_obj
+from .redact import head, redact, redact_obj
 
 __all__ = ["MAX_WORDS_BYTES", "REASONS", "ConfigError", "Reason", "RelayError",
-           "bound_text", "cut_marker"]
+           "bound_text", "cut_marker", "excerpt"]
 
 MAX_WORDS_BYTES: Final = 64 * 1024  # SPEC E1: the provider's words are whole up to this
 
@@ -95,6 +95,12 @@ def cut_marker(length: int, *, at_bound: bool = False) -> str:
 
 
 _MARKER = re.compile(r"… \[(≥ )?(\d+) bytes\]\Z")
+
+
+def excerpt(text: str, n: int) -> str:
+    """The first ``n`` characters of upstream text, for a message or a record: redacted
+    before the cut (a secret straddling it leaves nothing behind)."""
+    return head(text, n)
 
 
 def _utf8_len(text: str) -> int:
