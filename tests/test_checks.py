@@ -294,3 +294,100 @@ check_model = "echo?fail=auth_required"
         main, ["check", "--url", served.url]))
     assert code == 1      # one provider failed
     assert served.relay.providers["broken"].state == "failing"
+
+
+class _StepCounter(trio.abc.Instrument):
+    """Counts the steps of relay's check loop; stops the test if it spins."""
+
+    def __init__(self, scope: trio.CancelScope, limit: int) -> None:
+        self.scope, self.limit, self.steps = scope, limit, 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith("serve_checks"):
+            self.steps += 1
+            if self.steps > self.limit:
+                self.scope.cancel()   # spinning: virtual time would never move again
+
+
+async def test_a_check_slower_than_its_interval_does_not_spin_the_loop(
+        tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+    # The loop skipped a provider whose check was still running but left its due time in
+    # the past, so it woke at once, forever (54,907 iterations a second, 100 % CPU; on
+    # virtual time the clock never moved again).
+    text = CHECKS.replace('models = ["echo"]', 'models = ["echo"]\ncheck_interval_s = 1\n'
+                          'check_model = "echo?delay_s=5"')
+    with trio.CancelScope() as test_scope:
+        counter = _StepCounter(test_scope, limit=5000)
+        trio.lowlevel.add_instrument(counter)
+        try:
+            async with open_relay(config_from(text, tmp_path), discover=False) as r:
+                fake: Any = r.providers["fake"].adapter
+                await trio.sleep(57.5)
+        finally:
+            trio.lowlevel.remove_instrument(counter)
+    assert not test_scope.cancelled_caught, f"the check loop spun: {counter.steps} steps"
+    assert counter.steps < 100
+    # A check at 0 (it takes 5 s), then each one 1 s after the last one ended.
+    assert fake.started == 10
+    answered = [rec for rec in r.records.recent
+                if rec["route"] == "(check)" and rec["status"] == 200]
+    assert len(answered) == 9                 # the tenth was still running at the end
+
+
+async def test_no_check_starts_while_relay_drains(
+        nursery: trio.Nursery, tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+    # The interval checks went on during a drain; one started after the drain had
+    # stopped what it tracked ran unstopped, and the drain waited for it.
+    text = CHECKS.replace("lanes = 1", "lanes = 2").replace(
+        'models = ["echo"]', 'models = ["echo"]\ncheck_interval_s = 2\n'
+        'check_model = "echo?delay_s=1"')
+    async with open_relay(config_from(text, tmp_path), discover=False) as r:
+        fake: Any = r.providers["fake"].adapter
+        long = ASGIResult()          # its stop takes 4 s (a tool slow to confirm it)
+        nursery.start_soon(asgi_request, r.app, "/v1/chat/completions",
+                           chat("fake/echo?delay_s=100&ignore_stop_s=4"), long)
+        await trio.sleep(0.5)        # the check at 0 and the long request run
+        t0 = trio.current_time()
+        await r.drain(2.0)           # grace 2 s, then stopped; its stop ends at 6.5
+        assert trio.current_time() - t0 == pytest.approx(6.0)
+        await long.done.wait()
+        assert long.status == 503
+        assert fake.started == 2     # the first check and the long request, nothing else
+        checks = [rec for rec in r.records.recent if rec["route"] == "(check)"]
+        assert [rec["status"] for rec in checks] == [200]
+        # Asked for while draining: not run, and busy is not broken.
+        result = await check(r, "fake")
+        assert result["outcome"] == "busy" and result["reason"] == "shutting_down"
+        assert result["status"]["state"] == "connected" and fake.started == 2
+        assert r.records.recent[-1]["reason"] == "shutting_down"
+
+
+async def test_a_check_cancelled_from_outside_is_not_recorded_as_answered(
+        tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+    text = CHECKS.replace('models = ["echo"]', 'models = ["echo"]\ncheck_model = '
+                          '"echo?delay_s=10"')
+    async with open_relay(config_from(text, tmp_path), discover=False) as r:
+        with trio.move_on_after(1):
+            await check(r, "fake")
+        await trio.testing.wait_all_tasks_blocked()
+        rec = r.records.recent[-1]
+        assert rec["route"] == "(check)"
+        assert (rec["status"], rec["reason"]) == (503, "shutting_down")  # it said 200
+        assert rec["stop_requested_at"] is not None and rec["released_at"] is not None
+
+
+async def test_checks_started_in_the_same_millisecond_get_their_own_records(
+        tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+    text = CHECKS.replace("lanes = 1", "lanes = 2")
+    async with open_relay(config_from(text, tmp_path), discover=False) as r:
+        results: list[dict[str, Any]] = []
+
+        async def one() -> None:
+            results.append(await check(r, "fake"))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(one)
+        assert [x["outcome"] for x in results] == ["answered"] * 3
+        ids = [rec["id"] for rec in records(tmp_path) if rec["route"] == "(check)"]
+        assert len(ids) == 3 and len(set(ids)) == 3, ids   # were all "check-fake-0"

@@ -17,13 +17,16 @@ a working connection, and every capacity error told the user to check again):
 
 `serve_checks` runs the optional checks — at start-up (``[server] check_on_start``) and
 every ``check_interval_s`` per provider — and never while all of a provider's lanes are
-busy.
+busy, while the provider's previous check still runs, or while relay drains (a check
+asked for then is answered ``busy``/``shutting_down`` without running). Each check has
+its own record id, and a check cancelled from outside is recorded ``shutting_down``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import secrets
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -86,9 +89,20 @@ async def check_provider(relay: Engine, provider: Provider) -> CheckResult:
         except RelayError as exc:
             return _apply(provider, started, None, exc)
     model = _check_model(provider)
-    record = Record(id=f"check-{provider.name}-{int(started * 1000)}", started_at=started,
+    # A unique id: two checks of one provider can start in the same millisecond (a
+    # scheduled one and one asked for), and ids built from the time collided.
+    record = Record(id=f"check-{provider.name}-{secrets.token_hex(6)}", started_at=started,
                     route="(check)", provider=provider.name, model=model,
                     priority="interactive")
+    if relay.draining:
+        # No new work while relay drains: the drain has stopped (or is about to stop)
+        # what it tracks, and a check tracked after that would run unstopped.
+        refused = RelayError("shutting_down", "relay is shutting down; the check was not "
+                             "run", retry_after_s=5.0)
+        record.status, record.reason, record.phase = (refused.status, refused.reason,
+                                                      refused.phase)
+        relay.records.write(record)
+        return _apply(provider, started, None, refused)
     call = Call(request_id=record.id, provider=provider.name, model=model,
                 messages=[{"role": "user", "content": CHECK_PROMPT}], stream=False)
     plan = Plan([Target(provider, model, "primary")])
@@ -97,7 +111,8 @@ async def check_provider(relay: Engine, provider: Provider) -> CheckResult:
     dispatcher = Dispatcher(relay, plan, call, "interactive", record, stop, stream=False)
     text = ""
     error: RelayError | None = None
-    relay.track(stop)
+    ended = False
+    relay.track(stop)  # no await since the draining test above: a drain will stop it
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(dispatcher.run, nursery, out)
@@ -107,10 +122,16 @@ async def check_provider(relay: Engine, provider: Provider) -> CheckResult:
                         text += event.content
                     elif isinstance(event, Ended):
                         error = event.error
+                        ended = True
     finally:
         relay.untrack(stop)
         if error is not None:
             record.status, record.reason, record.phase = error.status, error.reason, error.phase
+        elif not ended:
+            # Cancelled from outside (relay closing): never recorded as answered.
+            record.status, record.reason, record.phase = 503, "shutting_down", "shutdown"
+            if record.stop_requested_at is None:
+                record.stop_requested_at = trio.current_time()
         releases = [a.released_at for a in record.attempts if a.released_at is not None]
         record.released_at = max(releases) if releases else None
         relay.records.write(record)
@@ -149,10 +170,17 @@ def _apply(provider: Provider, started: float, text: str | None,
 
 async def serve_checks(relay: Engine) -> None:
     """The optional checks: at start-up and every ``check_interval_s``; runs until
-    cancelled. A provider whose lanes are all busy is skipped and tried again later."""
+    cancelled. A provider whose lanes are all busy is skipped and tried again later; none
+    starts while relay drains.
+
+    The next check of a provider is due ``check_interval_s`` after its last one started,
+    and never while that one still runs: a check slower than its interval is followed by
+    the next one ``check_interval_s`` after it ended (once, the spin: an overdue check
+    kept the loop waking at once, 55,000 times a second, until the running one ended).
+    """
     due: dict[str, float] = {}
     start = trio.current_time()
-    running: set[str] = set()
+    running: dict[str, trio.Event] = {}  # provider → set when its check has ended
     while True:
         now = trio.current_time()
         for name, provider in relay.providers.items():
@@ -162,28 +190,51 @@ async def serve_checks(relay: Engine) -> None:
                     due[name] = start if now - start < 1.0 else now
                 elif interval is None:
                     continue
-            if name in running or now < due.get(name, math.inf):
+            if name in running or now < due.get(name, math.inf) or relay.draining:
                 continue
             stats = provider.lane.statistics()
             if stats.running >= stats.capacity:
                 due[name] = now + min(BUSY_RETRY_S, interval or BUSY_RETRY_S)
                 continue
             due[name] = now + interval if interval is not None else math.inf
-            running.add(name)
-            relay.nursery.start_soon(_scheduled_check, relay, provider, running)
+            running[name] = trio.Event()
+            relay.nursery.start_soon(_scheduled_check, relay, provider, running, due)
         for name in list(due):
             if name not in relay.providers:
                 del due[name]
-        wake = min(due.values(), default=math.inf)
-        with trio.move_on_at(min(wake, trio.current_time() + 60.0)):
-            await relay.reloaded.wait()
+        # A running check's due time counts only once it has ended (its event wakes us).
+        wake = min((t for name, t in due.items() if name not in running), default=math.inf)
+        if relay.draining:
+            wake = math.inf
+        await _wait_for_change(relay, [*running.values()],
+                               min(wake, trio.current_time() + 60.0))
 
 
-async def _scheduled_check(relay: Engine, provider: Provider, running: set[str]) -> None:
+async def _wait_for_change(relay: Engine, ended: list[trio.Event], deadline: float) -> None:
+    """Until ``deadline``, a reload, or the end of one of the running checks."""
+    with trio.move_on_at(deadline):
+        async with trio.open_nursery() as nursery:
+            async def first(event: trio.Event) -> None:
+                await event.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(first, relay.reloaded)
+            for event in ended:
+                nursery.start_soon(first, event)
+
+
+async def _scheduled_check(relay: Engine, provider: Provider, running: dict[str, trio.Event],
+                           due: dict[str, float]) -> None:
     try:
         result = await check_provider(relay, provider)
         logger.info("check %s: %s (%s)", provider.name, result.outcome, result.message)
     except Exception:
         logger.exception("the scheduled check of %s crashed", provider.name)
     finally:
-        running.discard(provider.name)
+        now = trio.current_time()
+        interval = provider.config.check_interval_s
+        if interval is not None and due.get(provider.name, math.inf) < now:
+            due[provider.name] = now + interval   # it ran past its next start: not at once
+        ended = running.pop(provider.name, None)
+        if ended is not None:
+            ended.set()
