@@ -518,6 +518,7 @@ class CLIAdapter(Adapter):
             broken: Broken | None = None
             keep = False
             try:
+                await warm.tool.begin_turn()   # SPEC O5: what the turn starts ends with it
                 try:
                     turned = await converse(warm, streamer)
                     keep = turned.keep
@@ -529,6 +530,8 @@ class CLIAdapter(Adapter):
                     if turned is None and broken is None:   # a stop, or a crash
                         keep = await warm.tool.stop(self.grace_s,
                                                     functools.partial(interrupt, warm))
+                    elif keep:
+                        await warm.tool.end_turn()
                     if not self.pool.give_back(warm, keep=keep):
                         await warm.tool.aclose()
             if turned is not None:
