@@ -424,10 +424,16 @@ class CLIAdapter(Adapter):
         return path
 
     def environment(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """relay's environment, relay's defaults for the tool (``extra``, which the
-        provider's ``env`` overrides), then the provider's ``env``."""
-        env = {k: v for k, v in os.environ.items()
-               if k in self.own_credentials or not _CREDENTIAL.search(k)}
+        """relay's environment without relay's secrets, relay's defaults for the tool
+        (``extra``, which the provider's ``env`` overrides), then the provider's ``env``.
+
+        Withheld (SPEC O5): every variable the config names for a secret — any
+        provider's ``api_key_env``, relay's ``[server] token_env``, whatever they are
+        called (`ProviderConfig.secret_env`) — and every other credential-looking name;
+        the tool's own credentials (``own_credentials``) pass."""
+        secret = self.provider.secret_env
+        env = {k: v for k, v in os.environ.items() if k in self.own_credentials
+               or (k not in secret and not _CREDENTIAL.search(k))}
         env.update(extra or {})
         env.update(self.settings.env)   # an explicit setting wins: the user chose it
         return env
