@@ -23,9 +23,9 @@ process of the request is left.
 Containment (SPEC O5): no process a tool starts for a turn outlives the turn — after a
 stop and after a successful answer alike. A one-shot run ends with `ToolProcess.aclose`
 (the tool and everything of its run die); a warm process's turn ends with
-`ToolProcess.end_turn`: the process itself stays, with the processes it had when the turn
-began (`begin_turn`: codex's native binary under its launcher, gemini's relaunched copy),
-and everything else of its run dies. On Linux a run's processes are found in ``/proc``,
+`ToolProcess.end_turn`: the process itself stays, with the processes it had when its first
+turn began (`begin_turn`: codex's native binary under its launcher, gemini's relaunched
+copy), and everything else of its run dies. On Linux a run's processes are found in ``/proc``,
 each by any one of:
 
 - descent: the tool is an ancestor (the parent chain);
@@ -152,7 +152,11 @@ async def spawn_tool(argv: Sequence[str], *, env: Mapping[str, str], cwd: str | 
         stderr.close()
         raise
     _owned[proc.pid] = proc
-    return ToolProcess(proc, stderr, argv[0], provider=provider, run=run)
+    tool = ToolProcess(proc, stderr, argv[0], provider=provider, run=run)
+    if _LINUX:   # one small read: when it started (nothing of its run started before)
+        stat = _stat(proc.pid)
+        tool.started = stat.start if stat is not None else 0
+    return tool
 
 
 class ToolProcess:
@@ -172,6 +176,7 @@ class ToolProcess:
         self._eof = False
         self._unreadable = False  # a line was too long: the output cannot be followed
         self._own: frozenset[tuple[int, int]] | None = None   # see begin_turn
+        self.started = 0          # its start time (/proc clock ticks), where known
         self._closed = False
 
     # --- talking ------------------------------------------------------------------------
@@ -338,12 +343,15 @@ class ToolProcess:
         return confirmed
 
     async def begin_turn(self) -> None:
-        """A warm process's turn begins: the processes it has now (itself and those under
-        it: a launcher's native binary) are its own, and outlive the turn; whatever else
-        of its run is alive at `end_turn` dies then."""
-        if _LINUX and not self._closed:
-            self._own = await trio.to_thread.run_sync(
-                functools.partial(_attached, self.pid), abandon_on_cancel=True)
+        """A warm process's turn begins. At its first turn, the processes it has (itself
+        and those under it: a launcher's native binary) become its own, which outlive
+        every turn; whatever else of its run is alive at `end_turn` dies then."""
+        if _LINUX and not self._closed and self._own is None:
+            # Shielded (and bounded): a stop lands in the turn itself, never between the
+            # pool handing the process out and the turn beginning.
+            with trio.CancelScope(shield=True), trio.move_on_after(REAP_S):
+                self._own = await trio.to_thread.run_sync(
+                    functools.partial(_attached, self.pid), abandon_on_cancel=True)
 
     async def end_turn(self) -> None:
         """A warm process's turn has ended: kill every process of its run but the process
@@ -385,7 +393,8 @@ class ToolProcess:
         if not _LINUX:
             return
         delay = _GONE_POLL_S
-        sweep = functools.partial(_sweep, self.pid, self.run, spare, _subreaper)
+        sweep = functools.partial(_sweep, self.pid, self.started, self.run, spare,
+                                  _subreaper)
         while True:
             _forget_reaped()
             left = await trio.to_thread.run_sync(sweep, abandon_on_cancel=True)
@@ -494,11 +503,12 @@ def _attached(pid: int) -> frozenset[tuple[int, int]]:
     return frozenset(found)
 
 
-def _sweep(tool: int, run: str, spare: frozenset[tuple[int, int]], adopt: bool) -> list[int]:
-    """One look at every process: SIGKILL those of the run (``tool``, ``run``) that are
-    alive and not spared, and (``adopt``: relay is the subreaper) reap the zombies relay
-    adopted. Returns what is left to do: the pids killed now, and adopted zombies seen
-    for the first time (reaped by the next look)."""
+def _sweep(tool: int, born: int, run: str, spare: frozenset[tuple[int, int]],
+           adopt: bool) -> list[int]:
+    """One look at every process: SIGKILL those of the run (``tool``, started at
+    ``born``, marked ``run``) that are alive and not spared, and (``adopt``: relay is
+    the subreaper) reap the zombies relay adopted. Returns what is left to do: the pids
+    killed now, and adopted zombies seen for the first time (reaped by the next look)."""
     me = os.getpid()
     procs = _processes()
     lineage: dict[int, str] = {}
@@ -553,6 +563,8 @@ def _sweep(tool: int, run: str, spare: frozenset[tuple[int, int]], adopt: bool) 
         if line == "tool" or stat.sid == tool or stat.pgrp == tool:
             kill.append(pid)
             continue
+        if line == "none" and stat.start < born:
+            continue   # older than the tool: not of its run (and not adopted)
         mark = _run_of(pid)
         if mark == run:
             kill.append(pid)
