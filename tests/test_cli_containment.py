@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -271,3 +272,55 @@ run_timeout_s = 30
     assert "UPSTREAM_PW" not in env and "GATE_WORD" not in env
     assert not any(v in ("pw-of-the-upstream", "relay-gate-word") for v in env.values())
     assert env["HARMLESS_SETTING"] == "1" and env["FAKE_PID_DIR"]
+
+
+SUBREAPER_PROBE = """
+import os, subprocess, sys, time, trio
+from adapters import _process
+
+def state(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0].decode()
+    except OSError:
+        return None
+
+async def main():
+    assert _process.become_subreaper()
+    # A tool trio owns: it exits 7 and stays a zombie until trio reaps it.
+    tool = await _process.spawn_tool([sys.executable, "-c", "import os; os._exit(7)"],
+                                     env=os.environ, cwd=".", provider="t", install_hint="")
+    with trio.fail_after(10):
+        while state(tool.pid) != "Z":
+            await trio.sleep(0.005)
+    # An orphan relay adopts: sh starts sleep and exits; no run's mark.
+    await trio.run_process(["sh", "-c", "sleep 30 & echo $! > orphan.pid"])
+    orphan = int(open("orphan.pid").read())
+    with trio.fail_after(10):
+        while (os.getpid(), state(orphan)) != (_ppid(orphan), "S"):
+            await trio.sleep(0.005)
+    for _ in range(3):   # what the end of some other turn does
+        _process._sweep(-1, 0, "some-other-run", frozenset(), True)
+        await trio.sleep(0.02)
+    assert state(orphan) is None, state(orphan)        # killed and reaped
+    assert await tool.wait_exit() == 7                 # trio's own child: untouched
+    await tool.aclose()
+    print("ok")
+
+def _ppid(pid):
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rpartition(b")")[2].split()[1])
+
+trio.run(main)
+"""
+
+
+async def test_the_subreaper_reaps_only_what_trio_does_not_own(tmp_path: Path) -> None:
+    # In a process of its own (the test runner never becomes a subreaper): an orphan is
+    # killed and reaped, while the exit status of a zombie trio owns stays trio's.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with trio.fail_after(30):
+        done = await trio.run_process([sys.executable, "-c", SUBREAPER_PROBE],
+                                      cwd=tmp_path, env=env, capture_stdout=True,
+                                      capture_stderr=True, check=False)
+    assert done.returncode == 0 and done.stdout == b"ok\n", done.stderr.decode()
