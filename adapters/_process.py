@@ -23,10 +23,10 @@ process of the request is left.
 Containment (SPEC O5): no process a tool starts for a turn outlives the turn — after a
 stop and after a successful answer alike. A one-shot run ends with `ToolProcess.aclose`
 (the tool and everything of its run die); a warm process's turn ends with
-`ToolProcess.end_turn`: the process itself stays, with the processes it had when its first
-turn began (`begin_turn`: codex's native binary under its launcher, gemini's relaunched
-copy), and everything else of its run dies. On Linux a run's processes are found in ``/proc``,
-each by any one of:
+`ToolProcess.end_turn`: the process itself stays, with the processes it had when its
+first turn began (`begin_turn`: codex's native binary under its launcher, gemini's
+relaunched copy), and everything else of its run dies. On Linux a run's processes are
+found in ``/proc``, each by any one of:
 
 - descent: the tool is an ancestor (the parent chain);
 - the tool's process group or session (what the signals reach);
@@ -39,7 +39,9 @@ each by any one of:
   environment. Such an adopted process that carries no live run's mark (and is not a
   fork of relay itself on its way to ``exec``) is killed at the next end of a turn. Relay
   reaps adopted processes by pid (``waitpid(pid)``), only those trio does not own —
-  never ``waitpid(-1)``, which would take trio's own children's exit status.
+  never ``waitpid(-1)``, which would take trio's own children's exit status. (So under
+  ``relay serve`` every child relay starts itself is a tool started by `spawn_tool`:
+  another child would count as adopted.)
 
 Embedded in another program (no subreaper), a process that left the tool's tree and its
 session *and* cleared its environment is out of reach. The kill is SIGKILL, repeated
