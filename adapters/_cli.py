@@ -525,10 +525,16 @@ class CLIAdapter(Adapter):
         return path
 
     def environment(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """relay's environment, relay's defaults for the tool (``extra``, which the
-        provider's ``env`` overrides), then the provider's ``env``."""
-        env = {k: v for k, v in os.environ.items()
-               if k in self.own_credentials or not _CREDENTIAL.search(k)}
+        """relay's environment without relay's secrets, relay's defaults for the tool
+        (``extra``, which the provider's ``env`` overrides), then the provider's ``env``.
+
+        Withheld (SPEC O5): every variable the config names for a secret — any
+        provider's ``api_key_env``, relay's ``[server] token_env``, whatever they are
+        called (`ProviderConfig.secret_env`) — and every other credential-looking name;
+        the tool's own credentials (``own_credentials``) pass."""
+        secret = self.provider.secret_env
+        env = {k: v for k, v in os.environ.items() if k in self.own_credentials
+               or (k not in secret and not _CREDENTIAL.search(k))}
         env.update(extra or {})
         env.update(self.settings.env)   # an explicit setting wins: the user chose it
         return env
@@ -629,6 +635,7 @@ class CLIAdapter(Adapter):
             broken: Broken | None = None
             keep = False
             try:
+                await warm.tool.begin_turn()   # SPEC O5: what the turn starts ends with it
                 try:
                     turned = await converse(warm, streamer)
                     keep = turned.keep
@@ -640,6 +647,8 @@ class CLIAdapter(Adapter):
                     try:
                         if turned is None and broken is None:   # a stop, or a crash
                             keep = await self._stop_warm(warm, interrupt)
+                        elif keep:
+                            await warm.tool.end_turn()  # the turn's own processes end
                     finally:
                         if not self.pool.give_back(warm, keep=keep):
                             await warm.aclose()

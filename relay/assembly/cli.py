@@ -21,6 +21,7 @@ from typing import Any
 import trio
 
 from relay.adapters import ADAPTERS
+from relay.adapters._process import become_subreaper
 from relay.api.http import get_json, post_json
 from relay.config import Config, load_config
 from relay.vocab.errors import ConfigError
@@ -103,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        # SPEC O5: orphans of the CLI tools' processes come to relay, which ends them
+        # with their turn (the daemon only: an embedding program keeps its own tree).
+        become_subreaper()
         trio.run(run_daemon, config)
         return 0
     if args.command == "config":

@@ -329,9 +329,23 @@ def parse_config(
     else:
         records = default_state_dir() / "relay-requests.jsonl"
     del packaged  # the packaged default never names a records path: it uses the state dir
+    secret_env = _secret_env([server, *(p.settings for p in providers.values())])
+    providers = {name: attrs.evolve(p, secret_env=secret_env) for name, p in providers.items()}
     return Config(server=server, providers=providers, routes=routes, source=source,
                   records_path=records, server_overrides=dict(server_overrides or {}),
                   warnings=tuple(f"{source}: {w}" for w in warnings))
+
+
+def _secret_env(tables: list[Any]) -> frozenset[str]:
+    """The variables named by the ``*_env`` settings of these attrs instances."""
+    names = set()
+    for table in tables:
+        if attrs.has(type(table)):
+            for field in attrs.fields(type(table)):
+                value = getattr(table, field.name)
+                if field.name.endswith("_env") and isinstance(value, str) and value:
+                    names.add(value)
+    return frozenset(names)
 
 
 def check_target(target: str, providers: Mapping[str, ProviderConfig]) -> str | None:

@@ -77,6 +77,9 @@ class ProviderConfig:
     # `Config.secrets`; never shown.
     secret_envs: tuple[str, ...] = attrs.field(default=(), repr=False)
     secret_values: tuple[str, ...] = attrs.field(default=(), repr=False)
+    # Every variable this config names for a secret (each `*_env` setting of the server
+    # and of every provider: token_env, api_key_env …): kept from CLI tools (SPEC O5).
+    secret_env: frozenset[str] = frozenset()
 
 
 
