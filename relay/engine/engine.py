@@ -223,6 +223,6 @@ def _needs_new_adapter(old: ProviderConfig, new: ProviderConfig) -> bool:
     """Adapters size what they hold (pools, warm processes) and their stop grace from the
     profile: a change there, as in the settings, needs a new adapter."""
     return ((old.adapter, old.settings, old.profile.lanes, old.profile.interrupt_grace_s,
-             old.max_upstream_bytes)
+             old.max_upstream_bytes, old.secret_env)
             != (new.adapter, new.settings, new.profile.lanes, new.profile.interrupt_grace_s,
-                new.max_upstream_bytes))
+                new.max_upstream_bytes, new.secret_env))
