@@ -101,6 +101,7 @@ async def check_provider(relay: Relay, provider: Provider) -> CheckResult:
         record.status, record.reason, record.phase = (refused.status, refused.reason,
                                                       refused.phase)
         relay.records.write(record)
+        await trio.lowlevel.checkpoint()
         return _apply(provider, started, None, refused)
     call = Call(request_id=record.id, provider=provider.name, model=model,
                 messages=[{"role": "user", "content": CHECK_PROMPT}], stream=False)
