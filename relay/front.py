@@ -44,7 +44,7 @@ from .records import Record
 from .writers import Dialect, JSONWriter, StreamWriter
 
 if TYPE_CHECKING:
-    from .core import Relay
+    from .core import Relay, RequestStop
 
 __all__ = ["Front"]
 
@@ -307,6 +307,10 @@ class ChatRequest:
         self.receive = receive
         self._send = send
         self.answered = False  # the last byte of the answer has been handed to the server
+        # Written before the last byte goes out whenever it is final by then (records.py
+        # says what a record claims): ``record_early`` says whether it is, settling it.
+        self.recorded = False
+        self.record_early: Callable[[], bool] | None = None
         self.server = relay.config.server
         now = trio.current_time()
         self.record = Record(id=scope["relay.request_id"], started_at=now)
@@ -317,6 +321,9 @@ class ChatRequest:
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.body" and not message.get("more_body"):
             self.answered = True  # from here on, a disconnect is the normal end
+            if not self.recorded and self.record_early is not None and self.record_early():
+                self.recorded = True  # a kill -9 after the last byte cannot lose it now
+                self.relay.records.write(self.record)
         await self._send(message)
 
     async def send_json(self, status: int, obj: Any,
@@ -337,6 +344,7 @@ class ChatRequest:
                 refused = exc
             if refused is not None:
                 self.fail(refused)
+                self.record_early = lambda: True  # nothing ran: the record is final
                 await self.send_error(refused)
             else:
                 await self._run(call, plan, priority)
@@ -363,7 +371,8 @@ class ChatRequest:
                 if record.stop_requested_at is None:
                     record.stop_requested_at = trio.current_time()
                 record.status, record.reason, record.phase = 503, "shutting_down", "shutdown"
-            self.relay.records.write(record)
+            if not self.recorded:
+                self.relay.records.write(record)
 
     def fail(self, error: RelayError) -> None:
         self.record.status = error.status
@@ -406,6 +415,7 @@ class ChatRequest:
         writer = (StreamWriter if call.stream else JSONWriter)(self, plan.targets[0].name)
         stop = RequestStop()
         dispatcher = Dispatcher(self.relay, plan, call, priority, record, stop, call.stream)
+        self.record_early = lambda: self._settle(stop, dispatcher)
         self.relay.track(stop)
         try:
             async with trio.open_nursery() as nursery:
@@ -420,16 +430,23 @@ class ChatRequest:
                 watcher.cancel()
         finally:
             self.relay.untrack(stop)
-            if stop.requested_at is not None and record.stop_requested_at is None:
-                record.stop_requested_at = stop.requested_at
-            releases = [a.released_at for a in record.attempts if a.released_at is not None]
-            record.released_at = max(releases) if releases else None
-            timeouts = [r for r in dispatcher.runs if r.error is not None
-                        and r.error.phase == "timeout" and r.stopped_at is not None]
-            if timeouts and record.stop_requested_at is None:
-                record.stop_requested_at = timeouts[0].stopped_at
+            self._settle(stop, dispatcher)
         if self.client_gone:
             record.status, record.reason, record.phase = 499, "client_disconnected", "stop"
+
+    def _settle(self, stop: RequestStop, dispatcher: Dispatcher) -> bool:
+        """Fill in the record's stop and release times; True when they are final (every
+        attempt has ended and given its lane back)."""
+        record = self.record
+        if stop.requested_at is not None and record.stop_requested_at is None:
+            record.stop_requested_at = stop.requested_at
+        releases = [a.released_at for a in record.attempts if a.released_at is not None]
+        record.released_at = max(releases) if releases else None
+        timeouts = [r for r in dispatcher.runs if r.error is not None
+                    and r.error.phase == "timeout" and r.stopped_at is not None]
+        if timeouts and record.stop_requested_at is None:
+            record.stop_requested_at = timeouts[0].stopped_at
+        return all(r.finished_at is not None for r in dispatcher.runs)
 
     def drop_client(self) -> None:
         """The client takes nothing: stop the request as if it had left."""
