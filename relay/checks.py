@@ -175,8 +175,8 @@ async def serve_checks(relay: Relay) -> None:
 
     The next check of a provider is due ``check_interval_s`` after its last one started,
     and never while that one still runs: a check slower than its interval is followed by
-    the next one ``check_interval_s`` after it ended (once, the spin: an overdue check
-    kept the loop waking at once, 55,000 times a second, until the running one ended).
+    the next one ``check_interval_s`` after it ended. (An overdue check used to leave
+    the loop waking at once — 55,000 times a second — until the running one ended.)
     """
     due: dict[str, float] = {}
     start = trio.current_time()
