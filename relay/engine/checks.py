@@ -102,6 +102,7 @@ async def check_provider(relay: Engine, provider: Provider) -> CheckResult:
         record.status, record.reason, record.phase = (refused.status, refused.reason,
                                                       refused.phase)
         relay.records.write(record)
+        await trio.lowlevel.checkpoint()
         return _apply(provider, started, None, refused)
     call = Call(request_id=record.id, provider=provider.name, model=model,
                 messages=[{"role": "user", "content": CHECK_PROMPT}], stream=False)
@@ -175,8 +176,8 @@ async def serve_checks(relay: Engine) -> None:
 
     The next check of a provider is due ``check_interval_s`` after its last one started,
     and never while that one still runs: a check slower than its interval is followed by
-    the next one ``check_interval_s`` after it ended (once, the spin: an overdue check
-    kept the loop waking at once, 55,000 times a second, until the running one ended).
+    the next one ``check_interval_s`` after it ended. (An overdue check used to leave
+    the loop waking at once — 55,000 times a second — until the running one ended.)
     """
     due: dict[str, float] = {}
     start = trio.current_time()

@@ -97,8 +97,10 @@ class Chat:
         async with events:
             await writer.pump(events)
 
-    def finish(self, exchange: Exchange, stop: RequestStop) -> None:
+    def settle(self, exchange: Exchange, stop: RequestStop) -> bool:
         record = exchange.record
+        if stop.requested_at is not None and record.stop_requested_at is None:
+            record.stop_requested_at = stop.requested_at
         releases = [a.released_at for a in record.attempts if a.released_at is not None]
         record.released_at = max(releases) if releases else None
         runs = self.dispatcher.runs if self.dispatcher is not None else []
@@ -106,3 +108,4 @@ class Chat:
                     and r.error.phase == "timeout" and r.stopped_at is not None]
         if timeouts and record.stop_requested_at is None:
             record.stop_requested_at = timeouts[0].stopped_at
+        return all(r.finished_at is not None for r in runs)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import trio
@@ -73,8 +74,9 @@ class Handler(Protocol):
                   ) -> None:
         """Run inside the request's nursery and write the whole answer."""
 
-    def finish(self, exchange: Exchange, stop: RequestStop) -> None:
-        """Fold what ran (attempts, release times) into ``exchange.record``; sync."""
+    def settle(self, exchange: Exchange, stop: RequestStop) -> bool:
+        """Fold what ran (attempts, stop and release times) into ``exchange.record``; sync
+        and idempotent. True when that is final: every attempt has ended."""
 
 
 class Exchange:
@@ -93,6 +95,11 @@ class Exchange:
         self.request_scope = trio.CancelScope()  # the request's nursery's, once it runs
         self.include_usage = False
         self.progress_events = False
+        # The record is written before the last byte goes out whenever it is final by
+        # then (relay.vocab.records says what a record claims): ``_final`` settles it and
+        # says whether it is.
+        self.recorded = False
+        self._final: Callable[[], bool] = lambda: False
 
     # --- the phase ------------------------------------------------------------------------
     def advance(self, phase: Phase) -> None:
@@ -119,6 +126,9 @@ class Exchange:
             self.advance(Phase.HEADERS_SENT)
         elif not message.get("more_body"):
             self.advance(Phase.ANSWERED)  # from here on, a disconnect is the normal end
+            if not self.recorded and self._final():
+                self.recorded = True  # a kill -9 after the last byte cannot lose it now
+                self.relay.records.write(self.record)
         await self._send(message)
 
     async def send_json(self, status: int, obj: Any,
@@ -169,6 +179,7 @@ class Exchange:
                 refused = exc
             if refused is not None:
                 self.fail(refused)
+                self._final = lambda: True  # nothing ran: the record is final
                 await self.send_error(refused)
             else:
                 self.advance(Phase.RUNNING)
@@ -188,7 +199,8 @@ class Exchange:
                 if record.stop_requested_at is None:
                     record.stop_requested_at = trio.current_time()
                 record.status, record.reason, record.phase = 503, "shutting_down", "shutdown"
-            self.relay.records.write(record)
+            if not self.recorded:
+                self.relay.records.write(record)
             self.phase = Phase.ENDED  # whatever it was: the record is written
 
     async def _report_crash(self, error: RelayError) -> None:
@@ -202,6 +214,7 @@ class Exchange:
 
     async def _run(self, handler: Handler) -> None:
         stop = RequestStop()
+        self._final = lambda: handler.settle(self, stop)
         self.relay.track(stop)
         try:
             async with trio.open_nursery() as nursery:
@@ -214,9 +227,7 @@ class Exchange:
                 watcher.cancel()
         finally:
             self.relay.untrack(stop)
-            if stop.requested_at is not None and self.record.stop_requested_at is None:
-                self.record.stop_requested_at = stop.requested_at
-            handler.finish(self, stop)
+            handler.settle(self, stop)
         if self.client_gone:
             self.record.status, self.record.reason, self.record.phase = (
                 499, "client_disconnected", "stop")

@@ -109,15 +109,17 @@ class Fanout:
             results = [b.result for b in self.branches]
             await exchange.send_json(200, {"object": "relay.fanout", "results": results})
 
-    def finish(self, exchange: Exchange, stop: RequestStop) -> None:
+    def settle(self, exchange: Exchange, stop: RequestStop) -> bool:
+        """A fan-out's record is written at its real end (False: never early)."""
         record = exchange.record
-        for branch in self.branches:
-            record.attempts.extend(branch.record.attempts)
-            record.fallback_triggered |= branch.record.fallback_triggered
-            if branch.record.skipped_events:
-                record.skipped_events.extend(branch.record.skipped_events)
+        if stop.requested_at is not None and record.stop_requested_at is None:
+            record.stop_requested_at = stop.requested_at
+        record.attempts = [a for b in self.branches for a in b.record.attempts]
+        record.fallback_triggered = any(b.record.fallback_triggered for b in self.branches)
+        record.skipped_events = [e for b in self.branches for e in b.record.skipped_events]
         releases = [a.released_at for a in record.attempts if a.released_at is not None]
         record.released_at = max(releases) if releases else None
+        return False
 
     async def _branch(self, exchange: Exchange, nursery: trio.Nursery, branch: _Branch,
                       stop: RequestStop, out: trio.MemorySendChannel[bytes]) -> None:

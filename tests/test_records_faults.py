@@ -1,0 +1,426 @@
+"""The records file under faults (SPEC O5, A5), through the assembled relay.
+
+A full disk (a real, small tmpfs, filled and then freed), a read-only file system, an
+immutable file, a directory in the file's place, a partial last line (what a kill -9
+mid-write leaves), and kill -9 of ``relay serve`` under load: serving is never affected,
+each fault is logged once, writing resumes when the fault is over and what was kept back
+meanwhile is written, and the file never holds half a record glued to another.
+
+Mounting needs root (CAP_SYS_ADMIN); where it is not permitted those tests skip, saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from conftest import FAKE_ONLY, chat, config_from, start_relay, wait_for
+
+from relay import open_relay
+from relay.vocab.records import Clock, Record, RecordWriter
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def lines_of(path: Path) -> list[str]:
+    return path.read_bytes().decode().split("\n") if path.exists() else []
+
+
+def parsed(path: Path) -> list[dict[str, Any]]:
+    """Every line of a records file; each must be whole JSON (the last may be empty)."""
+    out = []
+    raw = path.read_bytes() if path.exists() else b""
+    assert raw == b"" or raw.endswith(b"\n"), f"the file ends inside a line: {raw[-80:]!r}"
+    for line in raw.decode().splitlines():
+        out.append(json.loads(line))
+    return out
+
+
+def config(records: Path) -> str:
+    return FAKE_ONLY.replace('records = "records.jsonl"', f'records = "{records}"')
+
+
+async def ask(client: httpx.AsyncClient, url: str, **extra: Any) -> str:
+    """One chat request; it must be answered; returns its request id."""
+    r = await client.post(f"{url}/v1/chat/completions", json=chat("fake/echo", **extra))
+    assert r.status_code == 200, r.text
+    if extra.get("stream"):
+        assert r.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert r.json()["choices"][0]["message"]["content"] == "hello"
+    return r.headers["x-relay-request-id"]
+
+
+def warnings_about(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    """relay.records' warnings that a fault began (``text`` in them), or that one ended
+    (``text`` == "written to")."""
+    kind = "written to" if text == "written to" else "cannot write"
+    return [r.getMessage() for r in caplog.records if r.name == "relay.vocab.records"
+            and kind in r.getMessage() and text in r.getMessage()]
+
+
+@contextlib.contextmanager
+def small_fs(where: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of ``size`` mounted at ``where`` (skips where mounting is refused)."""
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN); not root here")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs",
+                           str(where)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(fs: Path) -> Path:
+    """Fill the file system to the last byte; returns the filler."""
+    filler = fs / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        for size in (65536, 4096, 512, 64, 8, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError as exc:
+                assert exc.errno == 28, exc   # ENOSPC
+    return filler
+
+
+async def test_records_survive_a_full_disk(
+        nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient,
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    with small_fs(tmp_path / "fs", "256k") as fs:
+        path = fs / "records.jsonl"
+        served = await start_relay(nursery, config(path), tmp_path)
+        ids = [await ask(client, served.url)]
+        assert [r["id"] for r in parsed(path)] == ids
+        filler = fill(fs)
+        # The records file's own last page still has room: ask until the disk says no.
+        for _ in range(40):
+            ids.append(await ask(client, served.url, stream=len(ids) % 2 == 0))
+            if warnings_about(caplog, "cannot write"):
+                break
+        assert warnings_about(caplog, "No space left on device")
+        written = parsed(path)             # whole lines only: the short write was undone
+        for _ in range(5):                 # serving goes on, records are kept back
+            ids.append(await ask(client, served.url))
+        assert parsed(path) == written
+        assert len(warnings_about(caplog, "cannot write")) == 1   # once, not per record
+        filler.unlink()                    # space returns: everything kept back is written
+
+        async def all_written() -> None:
+            while [r["id"] for r in parsed(path)] != ids:
+                await trio.sleep(0.1)
+                ids.append(await ask(client, served.url))
+
+        with trio.fail_after(10):
+            await all_written()
+        assert len(warnings_about(caplog, "written to")) == 1
+        assert len(warnings_about(caplog, "cannot write")) == 1
+
+
+async def test_records_survive_a_read_only_file_system(
+        nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient,
+        caplog: pytest.LogCaptureFixture) -> None:
+    with small_fs(tmp_path / "fs", "1m") as fs:
+        path = fs / "records.jsonl"
+        path.write_text('{"id":"from-before"}\n')
+        await remount(fs, "ro")
+        served = await start_relay(nursery, config(path), tmp_path)
+        ids = [await ask(client, served.url) for _ in range(4)]
+        assert len(warnings_about(caplog, "Read-only file system")) == 1
+        assert [r["id"] for r in parsed(path)] == ["from-before"]
+        await remount(fs, "rw")
+
+        async def all_written() -> None:
+            while [r["id"] for r in parsed(path)] != ["from-before", *ids]:
+                await trio.sleep(0.1)
+                ids.append(await ask(client, served.url))
+
+        with trio.fail_after(10):
+            await all_written()
+
+
+async def remount(fs: Path, mode: str) -> None:
+    await trio.run_process(["mount", "-o", f"remount,{mode}", str(fs)])
+
+
+@contextlib.contextmanager
+def read_only(path: Path) -> Iterator[None]:
+    """The file made read-only: immutable for root (who ignores modes), 0444 otherwise."""
+    if os.geteuid() == 0:
+        done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True,
+                              check=False)
+        if done.returncode != 0:
+            pytest.skip(f"cannot make a file read-only for root here: {done.stderr.strip()}")
+        try:
+            yield
+        finally:
+            subprocess.run(["chattr", "-i", str(path)], check=False)
+    else:
+        path.chmod(0o444)
+        try:
+            yield
+        finally:
+            path.chmod(0o644)
+
+
+async def test_records_survive_a_read_only_file(
+        nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient,
+        caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "records.jsonl"
+    path.write_text('{"id":"from-before"}\n')
+    with read_only(path):
+        served = await start_relay(nursery, config(path), tmp_path)
+        ids = [await ask(client, served.url) for _ in range(4)]
+        assert len(warnings_about(caplog, "cannot write")) == 1
+        assert [r["id"] for r in parsed(path)] == ["from-before"]
+
+    async def all_written() -> None:
+        while [r["id"] for r in parsed(path)] != ["from-before", *ids]:
+            await trio.sleep(0.1)
+            ids.append(await ask(client, served.url))
+
+    with trio.fail_after(10):
+        await all_written()
+
+
+async def test_records_survive_a_directory_in_their_place(
+        nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient,
+        caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "records.jsonl"
+    path.mkdir()                                        # at start-up
+    served = await start_relay(nursery, config(path), tmp_path)
+    ids = [await ask(client, served.url) for _ in range(3)]
+    assert len(warnings_about(caplog, "Is a directory")) == 1
+    path.rmdir()
+
+    async def all_written() -> None:
+        while not path.is_file() or [r["id"] for r in parsed(path)] != ids:
+            await trio.sleep(0.1)
+            ids.append(await ask(client, served.url))
+
+    with trio.fail_after(10):
+        await all_written()
+    # Replaced behind relay's back while it runs: the records went into the removed file.
+    path.unlink()
+    path.mkdir()
+    late = [await ask(client, served.url) for _ in range(3)]
+    assert len(warnings_about(caplog, "Is a directory")) == 2   # once per fault
+    path.rmdir()
+
+    async def late_written() -> None:
+        while not path.is_file() or [r["id"] for r in parsed(path)] != late:
+            await trio.sleep(0.1)
+            late.append(await ask(client, served.url))
+
+    with trio.fail_after(10):
+        await late_written()
+
+
+async def test_a_partial_last_line_is_never_appended_to(
+        nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient) -> None:
+    # What a kill -9 in the middle of a write leaves. The next record was glued onto it:
+    # {"id":"8aebb8218e2{"id":"0ff6c64e31601c3c",...
+    path = tmp_path / "records.jsonl"
+    path.write_text('{"id":"whole"}\n{"id":"8aebb8218e2')
+    served = await start_relay(nursery, config(path), tmp_path)
+    rid = await ask(client, served.url)
+    lines = lines_of(path)
+    assert lines[:2] == ['{"id":"whole"}', '{"id":"8aebb8218e2']
+    assert json.loads(lines[2])["id"] == rid and lines[3:] == [""]
+
+
+async def test_the_record_is_written_before_the_last_byte_goes_out(
+        tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+    # It was written after the last byte had been handed to the server: a kill -9 in
+    # between left a client with a complete answer and no record.
+    path = tmp_path / "records.jsonl"
+    async with open_relay(config_from(config(path), tmp_path), discover=False) as r:
+        for body in (chat("fake/echo"), chat("fake/echo", stream=True),
+                     chat("nope/x"), {"model": "fake/echo"}):
+            seen: dict[str, Any] = {}
+            raw = json.dumps(body).encode()
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                     "method": "POST", "scheme": "http", "path": "/v1/chat/completions",
+                     "raw_path": b"/v1/chat/completions", "query_string": b"",
+                     "root_path": "", "client": ("127.0.0.1", 5555),
+                     "server": ("127.0.0.1", 8765),
+                     "headers": [(b"host", b"127.0.0.1:8765"),
+                                 (b"content-type", b"application/json"),
+                                 (b"content-length", str(len(raw)).encode())]}
+            sent = False
+
+            async def receive(raw: bytes = raw) -> dict[str, Any]:
+                nonlocal sent
+                if not sent:
+                    sent = True
+                    return {"type": "http.request", "body": raw, "more_body": False}
+                await trio.sleep_forever()
+                raise AssertionError
+
+            async def send(message: dict[str, Any], seen: dict[str, Any] = seen) -> None:
+                if message["type"] == "http.response.start":
+                    seen["status"] = message["status"]
+                    seen["id"] = dict(message["headers"])[b"x-relay-request-id"].decode()
+                elif not message.get("more_body"):   # the last byte: already recorded?
+                    seen["recorded"] = [x["id"] for x in parsed(path)]
+
+            with trio.move_on_after(30):
+                await r.app(scope, receive, send)
+            assert seen["id"] in seen["recorded"], (body, seen)
+        assert [x["status"] for x in parsed(path)] == [200, 200, 404, 400]
+
+
+# --- kill -9 of relay serve under load ---------------------------------------------------
+
+def child_env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    env["PYTHONPATH"] = str(ROOT)   # this tree's relay, whatever the venv has installed
+    for var in ("RELAY_URL", "RELAY_TOKEN", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY",
+                "http_proxy", "https_proxy", "all_proxy"):
+        env.pop(var, None)
+    return env
+
+
+async def start_serve(tmp_path: Path, conf: Path) -> tuple[trio.Process, str]:
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "relay", "serve", "--config", str(conf), "--port", "0",
+         "--log-level", "WARNING"], cwd=tmp_path, env=child_env(tmp_path), stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    data = b""
+    with trio.fail_after(20):
+        while b"relay listening on " not in data or not data.endswith(b"\n"):
+            chunk = await proc.stderr.receive_some()
+            assert chunk, f"relay serve exited: {data.decode(errors='replace')}"
+            data += chunk
+    url = data.split(b"relay listening on ")[1].split()[0].decode()
+    return proc, url
+
+
+async def test_kill_9_under_load_loses_no_answered_record(tmp_path: Path) -> None:
+    path = tmp_path / "records.jsonl"
+    conf = tmp_path / "relay.toml"
+    conf.write_text(config(path))
+    answered: list[str] = []
+    proc, url = await start_serve(tmp_path, conf)
+    try:
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+            async def load(n: int) -> None:
+                with contextlib.suppress(httpx.TransportError):
+                    while True:
+                        answered.append(await ask(client, url, stream=n % 2 == 0))
+
+            async with trio.open_nursery() as nursery:
+                for n in range(8):
+                    nursery.start_soon(load, n)
+                await wait_for(lambda: len(answered) >= 300, limit_s=30)
+                proc.send_signal(signal.SIGKILL)   # while requests are in flight
+                with trio.fail_after(5):
+                    await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    raw = path.read_bytes()
+    lines = raw.decode(errors="replace").split("\n")
+    whole = [json.loads(line) for line in lines[:-1]]   # all but a possible fragment
+    ids = {r["id"] for r in whole}
+    missing = [rid for rid in answered if rid not in ids]
+    assert missing == [], f"{len(missing)} of {len(answered)} answered had no record"
+    # What a kill in the middle of a write leaves (simulated, the kill rarely lands
+    # there): the next relay starts a new line instead of appending to it.
+    path.write_bytes(path.read_bytes() + b'{"id":"8aebb8218e2')
+    proc, url = await start_serve(tmp_path, conf)
+    try:
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+            rid = await ask(client, url)
+            await wait_for(lambda: path.read_bytes().endswith(b"\n"))
+    finally:
+        proc.kill()
+        with trio.move_on_after(5):
+            await proc.wait()
+    tail = path.read_bytes().decode().split("\n")
+    assert tail[-3].endswith('{"id":"8aebb8218e2') and json.loads(tail[-2])["id"] == rid
+    assert tail[-1] == ""
+
+
+def test_only_this_tree_is_tested(tmp_path: Path) -> None:
+    # The subprocess above imports relay from this tree, not from wherever the venv's
+    # editable install points.
+    done = subprocess.run([sys.executable, "-c", "import relay; print(relay.__file__)"],
+                          cwd=tmp_path, env=child_env(tmp_path), capture_output=True,
+                          text=True, check=True)
+    assert Path(done.stdout.strip()).resolve().is_relative_to(ROOT)
+
+
+
+async def test_rotation_keeps_whole_lines_in_every_file(
+        nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient) -> None:
+    path = tmp_path / "records.jsonl"
+    text = config(path).replace("[server]", "[server]\nrecords_max_bytes = 2048\n"
+                                "records_keep = 2")
+    served = await start_relay(nursery, text, tmp_path)
+    ids = [await ask(client, served.url) for _ in range(12)]
+    files = [path, path.with_name("records.jsonl.1"), path.with_name("records.jsonl.2")]
+    assert all(f.exists() for f in files)
+    assert not path.with_name("records.jsonl.3").exists()
+    kept = [r["id"] for f in reversed(files) for r in parsed(f)]
+    assert kept == ids[-len(kept):] and len(kept) >= 4
+    assert all(f.stat().st_size <= 2048 for f in files)
+
+
+def _record(n: int) -> Record:
+    return Record(id=f"r{n}", started_at=0.0)
+
+
+def test_what_is_kept_back_is_bounded_and_the_loss_is_told(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        path = tmp_path / "records.jsonl"
+        path.mkdir()
+        writer = RecordWriter(path, max_bytes=1 << 20, keep=1, clock=Clock())
+        writer.BACKLOG_MAX_BYTES = 2000
+        writer.RETRY_S = 0.0
+        for n in range(40):
+            writer.write(_record(n))
+        assert writer.fault is not None and "Is a directory" in writer.fault
+        path.rmdir()
+        writer.write(_record(40))
+        assert writer.fault is None
+        ids = [r["id"] for r in parsed(path)]
+        assert ids[-1] == "r40" and len(ids) < 41      # the oldest were dropped ...
+        assert ids == [f"r{n}" for n in range(41 - len(ids), 41)]   # ... the rest in order
+        told = warnings_about(caplog, "written to")
+        assert len(told) == 1 and f"{41 - len(ids)} older ones were lost" in told[0]
+        writer.close()
+
+    trio.run(main)
+
+
+def test_a_fifo_in_the_files_place_is_a_fault_not_a_hang(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        path = tmp_path / "records.jsonl"
+        os.mkfifo(path)
+        writer = RecordWriter(path, max_bytes=1 << 20, keep=1, clock=Clock())
+        writer.write(_record(1))   # (opened write-only and blocking, it would hang here)
+        assert writer.fault is not None and "not a regular file" in writer.fault
+        writer.close()
+
+    trio.run(main)
