@@ -1,0 +1,127 @@
+"""The config file's tables as frozen attrs classes (SPEC 9): ``[server]``, routes, the
+whole `Config`; a provider's own (`ProviderConfig`, `Profile`) live in the vocabulary."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from attrs import validators as v
+
+from relay.vocab.profile import (
+    MAX_UPSTREAM_BYTES,
+    ProviderConfig,
+    not_negative,
+    positive,
+)
+
+if TYPE_CHECKING:
+    from relay.api.adapter import Adapter
+
+Registry = Mapping[str, "type[Adapter]"]
+
+
+@attrs.frozen(kw_only=True)
+class _ProfileTable:
+    """The file's ``profile`` table: every field optional, laid over the adapter's."""
+
+    lanes: int | None = None
+    queue_max: int | None = None
+    queue_timeout_s: float | None = None
+    run_timeout_s: float | None = None
+    rpm: float | None = None
+    interrupt_grace_s: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8765, validator=[v.ge(0), v.le(65535)])
+    records: str | None = None  # per-request JSON lines; relative to the config file
+    records_max_bytes: int = attrs.field(default=10 * 1024 * 1024, validator=v.ge(1024))
+    records_keep: int = attrs.field(default=3, validator=v.ge(0))
+    heartbeat_s: float = attrs.field(default=15.0, validator=positive)
+    write_timeout_s: float = attrs.field(default=5.0, validator=positive)
+    drain_grace_s: float = attrs.field(default=10.0, validator=not_negative)
+    token_env: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    max_body_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=v.ge(1024))
+    body_timeout_s: float = attrs.field(default=30.0, validator=positive)
+    check_on_start: bool = False  # run a connection check of every provider at start-up
+    # SPEC O5: the most a non-streamed upstream body may hold (after decompression), and
+    # the most answer text a stream may accumulate; beyond, bad_upstream_response.
+    max_upstream_bytes: int = attrs.field(default=MAX_UPSTREAM_BYTES, validator=v.ge(1024))
+
+
+COMMON_PROVIDER_KEYS = ("adapter", "models", "prefill", "check_interval_s", "check_model",
+                        "profile")
+
+
+def _optional_positive(inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"must be > 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class RouteConfig:
+    """A model name clients can use: a primary target and ordered fallbacks (SPEC F1-F4).
+
+    Without attempt timeouts, each attempt is bounded by its provider's profile alone;
+    ``budget_s`` defaults to the sum of the attempt timeouts when every attempt has one.
+    """
+
+    primary: str
+    fallbacks: tuple[str, ...] = ()
+    primary_timeout_s: float | None = attrs.field(default=None, validator=_optional_positive)
+    fallback_timeout_s: float | None = attrs.field(default=None, validator=_optional_positive)
+    budget_s: float | None = attrs.field(default=None, validator=_optional_positive)
+    retries: int = attrs.field(default=0, validator=[v.ge(0), v.le(10)])
+    first_token_timeout_s: float | None = attrs.field(default=None,
+                                                      validator=_optional_positive)
+    stall_timeout_s: float | None = attrs.field(default=None, validator=_optional_positive)
+    name: str = ""
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return (self.primary, *self.fallbacks)
+
+    def total_budget_s(self) -> float | None:
+        """``budget_s``, else the sum of every attempt's timeout (None: unbounded)."""
+        if self.budget_s is not None:
+            return self.budget_s
+        tries = 1 + self.retries
+        if self.primary_timeout_s is None:
+            return None
+        if self.fallbacks and self.fallback_timeout_s is None:
+            return None
+        return tries * (self.primary_timeout_s
+                        + len(self.fallbacks) * (self.fallback_timeout_s or 0.0))
+
+
+@attrs.frozen(kw_only=True)
+class Config:
+    server: ServerConfig
+    providers: Mapping[str, ProviderConfig]
+    routes: Mapping[str, RouteConfig] = attrs.field(factory=dict)
+    source: str = "<config>"  # the file it came from, or "<packaged default>"
+    records_path: Path | None = None  # None: records off
+    warnings: tuple[str, ...] = ()
+    server_overrides: Mapping[str, Any] = attrs.field(factory=dict)  # kept for reloads
+
+    def secrets(self, environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+        """Every configured secret's value (SPEC E1): relay's token, each provider's key,
+        the values of its ``headers``, ``proxy`` and CLI ``env`` tables. Values are read
+        from ``environ`` (default: the process environment) now, as the adapters read
+        them; `relay.vocab.redact` keeps those long enough to redact."""
+        env = os.environ if environ is None else environ
+        names = [self.server.token_env] if self.server.token_env else []
+        values: list[str] = []
+        for provider in self.providers.values():
+            names += provider.secret_envs
+            values += provider.secret_values
+        values += [env.get(name) or "" for name in names]
+        return tuple(dict.fromkeys(value for value in values if value))
