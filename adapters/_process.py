@@ -57,7 +57,6 @@ outlive its turn.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 import json
@@ -76,7 +75,17 @@ import trio
 
 from relay.vocab.errors import RelayError
 
-from ._proctree import RUN_VAR, _attached, _live_runs, _owned, _stat, _sweep
+from ._proctree import (
+    RUN_VAR,
+    _attached,
+    _forget_reaped,
+    _live_runs,
+    _owned,
+    _stat,
+    _sweep,
+    become_subreaper,
+    is_subreaper,
+)
 
 __all__ = ["LINE_MAX", "REAP_S", "RUN_VAR", "ToolProcess", "become_subreaper", "spawn_tool"]
 
@@ -90,37 +99,8 @@ _READ_SIZE = 1 << 16
 _LF, _CR = 0x0A, 0x0D
 
 _LINUX = sys.platform.startswith("linux")
-_PR_SET_CHILD_SUBREAPER = 36
 
-# Read by the /proc sweeps in worker threads (membership tests only), changed only on the
-# event loop. A run is live from before its fork until its `aclose` is done; a pid is
-# owned from when trio has the process until trio has reaped it.
-_subreaper = False
 _run_numbers = itertools.count(1)
-
-
-def become_subreaper() -> bool:
-    """Make this process the child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``): orphans of
-    the tools' processes are re-parented to relay, which kills and reaps them (see the
-    module docstring). For ``relay serve`` only — an embedding program keeps its own
-    process tree. False (and nothing changed) where it is not available."""
-    global _subreaper
-    if not _LINUX:
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return False
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
-                      ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    if prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        logger.warning("cannot become the child subreaper: %s",
-                       os.strerror(ctypes.get_errno()))
-        return False
-    _subreaper = True
-    return True
 
 
 async def spawn_tool(argv: Sequence[str], *, env: Mapping[str, str], cwd: str | Path,
@@ -396,7 +376,7 @@ class ToolProcess:
             return
         delay = _GONE_POLL_S
         sweep = functools.partial(_sweep, self.pid, self.started, self.run, spare,
-                                  _subreaper)
+                                  is_subreaper())
         while True:
             _forget_reaped()
             left = await trio.to_thread.run_sync(sweep, abandon_on_cancel=True)
@@ -406,10 +386,3 @@ class ToolProcess:
                          self.pid, left)
             await trio.sleep(delay)
             delay = min(delay * 2, 0.05)
-
-
-def _forget_reaped() -> None:
-    """Drop the processes trio has reaped from `_owned` (on the event loop)."""
-    for pid, proc in list(_owned.items()):
-        if proc.poll() is not None:
-            del _owned[pid]

@@ -4,9 +4,11 @@ function here blocks): which processes belong to a run, and killing and reaping 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
+import sys
 from typing import NamedTuple
 
 import trio
@@ -199,3 +201,42 @@ def _reap(pid: int) -> None:
     except ChildProcessError:
         pass
     _adopted.discard(pid)
+
+
+_LINUX = sys.platform.startswith("linux")
+_PR_SET_CHILD_SUBREAPER = 36
+_flags = {"subreaper": False}  # changed only on the event loop
+
+
+def is_subreaper() -> bool:
+    return _flags["subreaper"]
+
+
+def become_subreaper() -> bool:
+    """Make this process the child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``): orphans of
+    the tools' processes are re-parented to relay, which kills and reaps them (see the
+    module docstring). For ``relay serve`` only — an embedding program keeps its own
+    process tree. False (and nothing changed) where it is not available."""
+    if not _LINUX:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return False
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                      ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    if prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        logger.warning("cannot become the child subreaper: %s",
+                       os.strerror(ctypes.get_errno()))
+        return False
+    _flags["subreaper"] = True
+    return True
+
+
+def _forget_reaped() -> None:
+    """Drop the processes trio has reaped from `_owned` (on the event loop)."""
+    for pid, proc in list(_owned.items()):
+        if proc.poll() is not None:
+            del _owned[pid]

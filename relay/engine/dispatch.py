@@ -45,10 +45,11 @@ import trio
 
 from relay.engine.plan import Plan, Target
 from relay.vocab.errors import RelayError
-from relay.vocab.events import AttemptStarted, Call, Ended, Queued, Started
+from relay.vocab.events import AttemptStarted, Call, Ended
 from relay.vocab.records import Attempt, Record
 
 from .attempt import AttemptSink, Delivered, Run
+from .notices import LaneNotices
 
 if TYPE_CHECKING:
     from relay.engine.engine import Engine
@@ -82,16 +83,11 @@ class Dispatcher:
         self.stop = stop
         self.stream = stream
         self.runs: list[Run] = []
-        # Lane notices (A2). True from the moment the writer may have been told that this
-        # request waits in a queue (a `Queued` sent, or on its way) until it is told the
-        # wait is over: the next grant must say so, even if it has to wait for room.
-        self._waiting = False
-        self._nursery: trio.Nursery | None = None
-        self._out: trio.MemorySendChannel[Any] | None = None
+        self.notices: LaneNotices | None = None  # made when it runs (it needs the nursery)
 
     async def run(self, nursery: trio.Nursery, out: trio.MemorySendChannel[Any]) -> None:
         """Try the plan's targets; send the writer its events and, last, `Ended`."""
-        self._nursery, self._out = nursery, out
+        self.notices = LaneNotices(nursery, out)
         async with out:
             with self.stop.open_scope():
                 error = await self._try_all(nursery, out)
@@ -102,7 +98,7 @@ class Dispatcher:
             for run in self.runs:
                 run.sink.closed = True
                 run.scope.cancel()
-                self._drop_notice(run)
+                LaneNotices.drop(run)
             await out.send(Ended(self.stop.error))
 
     async def _try_all(self, nursery: trio.Nursery,
@@ -252,7 +248,7 @@ class Dispatcher:
                 run.stopped_at = when
                 run.scope.cancel()          # its cleanup goes on beside what comes next
                 sink.closed = True
-                self._drop_notice(run)
+                LaneNotices.drop(run)
                 # A hand-over the cancel caught half done completes or is void within a
                 # tick; only then is it known what reached the client.
                 await sink.settle()
@@ -315,6 +311,8 @@ class Dispatcher:
         """One attempt's task: lane slot, run-timeout scope, adapter. Its outcome is
         written into ``run``; the dispatcher may have moved on long before it ends."""
         provider = run.target.provider
+        notices = self.notices
+        assert notices is not None
         ticket = None
         error: RelayError | None = None
         finished = False  # False at the end: it was stopped (request gone, drain, timeout)
@@ -323,21 +321,15 @@ class Dispatcher:
             # back: a reload that retires the adapter closes it only after that.
             with run.scope, provider.handle.use() as adapter:
                 async with provider.lane.slot(
-                        self.priority, on_queued=lambda: self._queued(run)) as ticket:
-                    self._drop_notice(run)  # it waits no more
+                        self.priority, on_queued=lambda: notices.queued(run)) as ticket:
+                    notices.drop(run)  # it waits no more
                     self.record.queue_ms = round((self.record.queue_ms or 0.0)
                                                  + ticket.queue_s * 1000, 3)
                     # The run timeout is one of the deadlines the dispatcher watches: at
                     # it, the dispatcher names the failure and cancels ``run.scope``.
                     run.run_deadline = (trio.current_time()
                                         + provider.config.profile.run_timeout_s)
-                    if self._waiting:
-                        # The writer may be sending waiting notices: it must hear that the
-                        # wait is over (never dropped), before any token of this attempt.
-                        run.poke()
-                        assert self._out is not None
-                        await self._out.send(Started())
-                        self._waiting = False
+                    await notices.started(run)
                     run.running_since = trio.current_time()
                     run.poke()
                     await adapter.run(run.call, run.sink)
@@ -357,7 +349,7 @@ class Dispatcher:
                                f"for request {self.record.id}", provider=provider.name)
         finally:
             now = trio.current_time()
-            self._drop_notice(run)
+            LaneNotices.drop(run)
             attempt = run.record
             attempt.duration_ms = round((now - attempt.started) * 1000, 3)
             if ticket is None and run.queued_at is not None:
@@ -385,43 +377,6 @@ class Dispatcher:
             run.sink.closed = True
             run.finished_at = now
             run.poke()
-
-    # --- lane notices to the writer (A2) ----------------------------------------------------
-
-    def _queued(self, run: Run) -> None:
-        """The attempt has to wait in its provider's queue (the lane calls this at once,
-        synchronously): tell the writer, so it sends waiting notices."""
-        run.queued_at = trio.current_time()
-        if run.sink.closed:
-            return
-        assert self._out is not None and self._nursery is not None
-        notice = Queued(run.target.provider.lane.statistics)
-        self._waiting = True  # told now or later: the grant must end the notices
-        try:
-            self._out.send_nowait(notice)
-            return
-        except trio.WouldBlock:
-            pass
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            return  # the request is already over (its writer has gone)
-        # The writer is behind (a slow client): the notice goes as soon as there is room,
-        # unless the wait ends first (`_drop_notice`).
-        run.notice = trio.CancelScope()
-        self._nursery.start_soon(self._send_late, run.notice, notice)
-
-    async def _send_late(self, scope: trio.CancelScope, notice: Queued) -> None:
-        assert self._out is not None
-        with scope:
-            try:
-                await self._out.send(notice)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                pass  # the request is over
-
-    @staticmethod
-    def _drop_notice(run: Run) -> None:
-        if run.notice is not None:
-            run.notice.cancel()
-            run.notice = None
 
     def _check_response(self, run: Run) -> None:
         """F8: a response check is part of the attempt. JSON modes must give JSON."""
