@@ -17,10 +17,11 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
+from relay.api.adapter import Adapter
 from relay.vocab.errors import ConfigError
 from relay.vocab.profile import (
     MAX_UPSTREAM_BYTES,
@@ -33,9 +34,6 @@ from relay.vocab.profile import (
 
 from .schema import COMMON_PROVIDER_KEYS, Config, RouteConfig, ServerConfig, _ProfileTable
 from .structure import structure_table, validation_problems
-
-if TYPE_CHECKING:
-    from relay.api.adapter import Adapter
 
 Registry = Mapping[str, "type[Adapter]"]
 

@@ -6,20 +6,18 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 from attrs import validators as v
 
+from relay.api.adapter import Adapter
 from relay.vocab.profile import (
     MAX_UPSTREAM_BYTES,
     ProviderConfig,
     not_negative,
     positive,
 )
-
-if TYPE_CHECKING:
-    from relay.api.adapter import Adapter
 
 Registry = Mapping[str, "type[Adapter]"]
 

@@ -4,13 +4,12 @@ every problem reported with its path (STYLE: attrs/cattrs)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import cattrs
 
-if TYPE_CHECKING:
-    from relay.api.adapter import Adapter
+from relay.api.adapter import Adapter
 
 Registry = Mapping[str, "type[Adapter]"]
 

@@ -27,21 +27,19 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
 
 from relay.engine.dispatch import Dispatcher
+from relay.engine.engine import Engine
 from relay.engine.plan import Plan, Target
+from relay.engine.providers import Provider
 from relay.engine.stops import RequestStop
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call, Delta, Ended
 from relay.vocab.records import Record
-
-if TYPE_CHECKING:
-    from relay.engine.engine import Engine
-    from relay.engine.providers import Provider
 
 __all__ = ["CHECK_PROMPT", "CheckResult", "check_provider", "serve_checks"]
 

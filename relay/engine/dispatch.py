@@ -38,22 +38,20 @@ from __future__ import annotations
 import json
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
 
+from relay.engine.engine import Engine
 from relay.engine.plan import Plan, Target
+from relay.engine.stops import RequestStop
 from relay.vocab.errors import RelayError
 from relay.vocab.events import AttemptStarted, Call, Ended
 from relay.vocab.records import Attempt, Record
 
 from .attempt import AttemptSink, Delivered, Run
 from .notices import LaneNotices
-
-if TYPE_CHECKING:
-    from relay.engine.engine import Engine
-    from relay.engine.stops import RequestStop
 
 __all__ = ["FALLBACK_ON", "RETRY_ON", "Dispatcher"]
 

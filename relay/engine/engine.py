@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import trio
 
+from relay.api.adapter import Adapter
 from relay.config import Config, load_config
 from relay.engine.lanes import Lane
 from relay.vocab import redact
@@ -24,9 +24,6 @@ from relay.vocab.records import RecordWriter
 
 from .providers import AdapterHandle, Provider, discover
 from .stops import RequestStop
-
-if TYPE_CHECKING:
-    from relay.api.adapter import Adapter
 
 __all__ = ["Engine"]
 

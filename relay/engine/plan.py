@@ -3,16 +3,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from relay.config import RouteConfig, check_target
 from relay.vocab.errors import RelayError
 
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .providers import Provider
+from .engine import Engine
+from .providers import Provider
 
 __all__ = ["Plan", "Target", "make_plan"]
 

@@ -20,20 +20,18 @@ import logging
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import trio
 
+from relay.api.adapter import Adapter
 from relay.vocab import redact
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import ProviderConfig
 from relay.vocab.records import Clock
 
 from .lanes import Lane
-
-if TYPE_CHECKING:
-    from relay.api.adapter import Adapter
 
 __all__ = ["AdapterHandle", "Provider"]
 

@@ -7,9 +7,8 @@ front never needs to be told.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from relay.dialects.openai_chat import OPENAI
+from relay.engine.engine import Engine
 from relay.vocab.errors import RelayError
 
 from .asgi import RELAY_ROUTES, Message, Receive, Scope, Send, send_error
@@ -17,12 +16,8 @@ from .chat import Chat
 from .exchange import Exchange
 from .fanout import Fanout
 from .guard import Guard
+from .metrics import Metrics
 from .routes import make_quart_app
-
-if TYPE_CHECKING:
-    from relay.engine.engine import Engine
-
-    from .metrics import Metrics
 
 __all__ = ["Front"]
 

@@ -22,21 +22,17 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import trio
 
 from relay.dialects.base import Dialect
+from relay.engine.engine import Engine
 from relay.engine.stops import RequestStop
 from relay.vocab.errors import RelayError
 from relay.vocab.records import Record
 
 from .asgi import Message, Receive, Scope, Send, send_error, send_json
-
-if TYPE_CHECKING:
-    from typing import Any
-
-    from relay.engine.engine import Engine
 
 __all__ = ["Exchange", "Handler", "Phase"]
 

@@ -12,20 +12,17 @@ import ipaddress
 import os
 import secrets
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import trio
 
 from relay.dialects.base import Dialect
 from relay.dialects.openai_chat import OPENAI
+from relay.engine.engine import Engine
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import is_loopback_host
 from relay.vocab.records import Record
 
 from .asgi import RELAY_ROUTES, Message, Receive, Scope, Send, header, send_error
-
-if TYPE_CHECKING:
-    from relay.engine.engine import Engine
 
 __all__ = ["Guard"]
 

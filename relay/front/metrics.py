@@ -19,15 +19,13 @@ of numbers:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-if TYPE_CHECKING:
-    from relay.engine.engine import Engine
-    from relay.vocab.records import Record
+from relay.engine.engine import Engine
+from relay.vocab.records import Record
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 

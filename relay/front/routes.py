@@ -7,7 +7,7 @@ responses silently); relay owns its deadlines. Every error here is an E1 body to
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 from quart import Response, request
@@ -15,13 +15,11 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from relay.engine.checks import check_provider
+from relay.engine.engine import Engine
 from relay.vocab.errors import ConfigError, RelayError
 
 from .metrics import CONTENT_TYPE, Metrics
 from .status_page import page_response
-
-if TYPE_CHECKING:
-    from relay.engine.engine import Engine
 
 __all__ = ["make_quart_app"]
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import trio
 
-from relay.dialects.base import Answer, dumps, merge_delta, new_choice
+from relay.config import ServerConfig
+from relay.dialects.base import Answer, Dialect, dumps, merge_delta, new_choice
 from relay.vocab.errors import RelayError
 from relay.vocab.events import (
     AttemptStarted,
@@ -37,13 +38,9 @@ from relay.vocab.events import (
     Started,
     Usage,
 )
+from relay.vocab.records import Record
 
-if TYPE_CHECKING:
-    from relay.config import ServerConfig
-    from relay.dialects.base import Dialect
-    from relay.vocab.records import Record
-
-    from .asgi import Message
+from .asgi import Message
 
 __all__ = ["JSONWriter", "Responder", "StreamWriter"]
 

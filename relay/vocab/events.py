@@ -9,12 +9,11 @@ a `Finish` for every choice is a cut-off answer, never a complete one (SPEC E4).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import attrs
 
-if TYPE_CHECKING:
-    from relay.vocab.errors import RelayError
+from relay.vocab.errors import RelayError
 
 __all__ = ["AttemptStarted", "Call", "Delta", "Ended", "Event", "EventSink", "Finish",
            "LaneStatistics", "Queued", "Recovered", "Skipped", "Started", "Usage"]
