@@ -115,6 +115,8 @@ def _sweep(tool: int, born: int, run: str, spare: frozenset[tuple[int, int]],
     ``born``, marked ``run``) that are alive and not spared, and (``adopt``: relay is
     the subreaper) reap the zombies relay adopted. Returns what is left to do: the pids
     killed now, and adopted zombies seen for the first time (reaped by the next look)."""
+    # long because one pass over /proc must decide each process's fate with the same
+    # snapshot (owned, attached, adopted, a run's mark); split, the pieces race.
     me = os.getpid()
     procs = _processes()
     lineage: dict[int, str] = {}

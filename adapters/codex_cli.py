@@ -215,6 +215,8 @@ class CodexCLIAdapter(CLIAdapter):
 
     async def _converse(self, warm: Warm, streamer: Streamer, model: str | None,
                         system: str | None, prompt: str) -> Turned:
+        # long because it is codex's turn protocol (thread/start, turn/start, the events in
+        # their order, the final item) read top to bottom, as the CLI note gives it.
         rpc: Rpc = warm.state["rpc"]
         wire = warm.wire
         state = warm.state

@@ -182,6 +182,23 @@ def test_modules_stay_small(limit: int) -> None:
     assert not long, "over the limit: " + ", ".join(long)
 
 
+def test_functions_stay_small() -> None:
+    """~60 lines a function; a longer one says why in a ``# long because …`` comment
+    inside it (a lifecycle whose nesting is the invariant reads best whole)."""
+    long = []
+    for path in MODULES.values():
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                assert node.end_lineno is not None
+                body = lines[node.lineno - 1:node.end_lineno]
+                if len(body) > 60 and not any("# long because" in line for line in body):
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} "
+                                f"({len(body)} lines)")
+    assert not long, "over ~60 lines without a reason: " + ", ".join(long)
+
+
 def test_adapters_are_installed_under_relays_name() -> None:
     """``relay.adapters`` imports; a top-level ``adapters`` does not (relay claims no
     global package name another PyPI project uses)."""

@@ -79,6 +79,8 @@ def _check_model(provider: Provider) -> str:
 
 async def check_provider(relay: Engine, provider: Provider) -> CheckResult:
     """Run one connection check and apply its outcome to the provider's state."""
+    # long because a check is one pass through the whole path (models, plan, dispatcher,
+    # record, state rules of SPEC H1-H3) and reads best in that order.
     started = trio.current_time()
     if not provider.models and not provider.config.check_model:
         try:

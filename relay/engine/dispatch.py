@@ -308,6 +308,8 @@ class Dispatcher:
     async def _run_attempt(self, run: Run) -> None:
         """One attempt's task: lane slot, run-timeout scope, adapter. Its outcome is
         written into ``run``; the dispatcher may have moved on long before it ends."""
+        # long because the nesting is the invariant: handle, lane slot, adapter scope, then
+        # the release and the outcome, read in one place (SPEC L6, C4).
         provider = run.target.provider
         notices = self.notices
         assert notices is not None

@@ -37,6 +37,8 @@ def _json(obj: Any) -> str:
 
 
 def make_quart_app(relay: Engine, metrics_: Metrics) -> QuartTrio:
+    # long because it is the table of the plain routes, each a few lines, closed over the
+    # relay they serve.
     app = QuartTrio("relay")
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = None

@@ -154,6 +154,8 @@ class StreamWriter(_Writer):
                 f"{stats.capacity}, queued {stats.queued}, {elapsed:.0f} s)\n\n").encode()
 
     async def pump(self, events: trio.MemoryReceiveChannel[Any]) -> None:
+        # long because it is the stream's one loop: every event kind, heartbeats, notices and
+        # the coalesced send decided where each other can be seen (SPEC A2, C3).
         start = trio.current_time()
         next_notice = float("inf")
         encoder = self.encoder
