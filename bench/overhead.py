@@ -878,7 +878,7 @@ async def measure_stops(targets: tuple[Target, Target], control: Control, sizes:
     never_started = sum(
         1 for t in tries if (r := records.get(t["request_id"])) is not None
         and r["status"] == 499 and r["reason"] == "client_disconnected"
-        and r["queue_ms"] is None)
+        and r["run_ms"] is None and r["queue_ms"] is not None)  # waited, never ran
     stops["queued"] = {
         "relay": median_max_ms([t["s"] for t in tries]),
         "poll_ms": 1000 * sum(t["poll_s"] for t in tries) / len(tries),
@@ -1109,7 +1109,7 @@ def render(results: dict[str, Any]) -> tuple[str, list[bool]]:
     lines += [f"  (c) is an upper bound: relay's status route polled back to back, "
               f"{queued['poll_ms']:.1f} ms per poll",
               f"  (c) queued requests that reached the upstream: {queued['reached_upstream']} "
-              f"of {tries}; records 499 client_disconnected, never started: "
+              f"of {tries}; records 499 client_disconnected, queued, never ran: "
               f"{queued['records_never_started']} of {tries}: {'ok' if ok_c else 'FAILED'}"]
 
     s = results["startup"]
