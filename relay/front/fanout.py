@@ -76,7 +76,7 @@ class Fanout:
         record = exchange.record
         self.stream = record.stream = bool(data.get("stream", False))
         record.route = "(fanout)"
-        record.model = ",".join(models)
+        record.model = record.requested_model = ",".join(models)
         params = {k: v for k, v in data.items()
                   if k not in ("model", "messages", "stream", "fallbacks")}
         for i, name in enumerate(models):
