@@ -221,6 +221,7 @@ class Dispatcher:
         sink.pieces, sink.other_output = [sent.text], sent.other_output
         run = Run(target, call, sink, record)
         self.runs.append(run)
+        target.provider.track(run, self.record, self.priority)  # listed in the status
         own = self.plan.timeout_for(target)
         own_deadline = now + own if own is not None else math.inf
         nursery.start_soon(self._run_attempt, run)
@@ -266,6 +267,7 @@ class Dispatcher:
         if self.stream:  # a plain answer reaches the client only at the end
             sent.text, sent.other_output = sink.text, sink.other_output
         self._log(run)
+        target.provider.observe(run.error)  # SPEC H5: real traffic keeps the state honest
         return run
 
     def _accept(self, run: Run) -> None:
