@@ -294,3 +294,24 @@ async def test_refused_requests_keep_the_model_they_asked_for(
                      ("slow/echo", None, "echo")]
     recent = (await client.get(f"{url}/relay/v1/requests")).json()["requests"]
     assert recent[-1]["requested_model"] == "nope/x"
+
+
+async def test_a_fan_out_that_left_while_queued_keeps_its_queue_time(
+        nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient) -> None:
+    served = await start_relay(nursery, SLOW, tmp_path)
+    url, lane = served.url, served.relay.providers["slow"].lane
+    async with trio.open_nursery() as holders:
+        holders.start_soon(hold, client, f"{url}/v1/chat/completions",
+                           chat("slow/echo?delay_s=60"), "normal")
+        await wait_for(lambda: lane.statistics().running == 1)
+        holders.start_soon(lambda: client.post(f"{url}/relay/v1/fanout", json={
+            "models": ["slow/echo", "slow/echo?reply=b"],
+            "messages": [{"role": "user", "content": "hi"}]}))
+        await wait_for(lambda: lane.statistics().queued == 2)
+        await trio.sleep(0.5)
+        holders.cancel_scope.cancel()
+    await wait_for(lambda: len(records(tmp_path)) == 2)
+    fanout = next(rec for rec in records(tmp_path) if rec["route"] == "(fanout)")
+    assert fanout["status"] == 499 and fanout["run_ms"] is None
+    assert fanout["queue_ms"] is not None and fanout["queue_ms"] >= 500, fanout
+    assert fanout["requested_model"] == "slow/echo,slow/echo?reply=b"
