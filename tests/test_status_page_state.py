@@ -111,7 +111,7 @@ async def test_the_page_shows_requests_in_flight_honest_states_and_dates(
             async with trio.open_nursery() as holders:
                 holders.start_soon(ask, client, url, "story", 0, "normal")
                 await wait_for(lambda: lane.statistics().running == 1)
-                with trio.move_on_after(1.2):
+                with trio.move_on_after(1.5):
                     await ask(client, url, "busy/echo", 1)
                 await wait_for(lambda: len(records(tmp_path)) == 103)
                 left = records(tmp_path)[-1]
