@@ -1,6 +1,6 @@
 """The ``relay`` command line (SPEC 9).
 
-    relay serve [--config FILE] [--host H] [--port N] [--env-file FILE]
+    relay serve [--config FILE] [--host H] [--port N] [--env-file FILE] [--quiet]
     relay config check [--config FILE]
     relay status [--url URL]
     relay check [PROVIDER…] [--url URL]
@@ -24,6 +24,7 @@ from relay.adapters import ADAPTERS
 from relay.adapters._process import become_subreaper
 from relay.api.http import get_json, post_json
 from relay.config import Config, load_config
+from relay.front.guard import ACCESS_LOG
 from relay.vocab.errors import ConfigError
 
 from . import service
@@ -45,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (default from the config: 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default from the config: 8765)")
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING …")
+    serve.add_argument("--quiet", action="store_true",
+                       help="no log line per HTTP exchange (the relay.access logger)")
     serve.add_argument("--env-file", help="load KEY=VALUE lines into the environment "
                        "first (provider keys for a service; values are never logged)")
     config = sub.add_parser("config", help="configuration tools")
@@ -104,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if args.quiet:
+            logging.getLogger(ACCESS_LOG).setLevel(logging.WARNING)
         # SPEC O5: orphans of the CLI tools' processes come to relay, which ends them
         # with their turn (the daemon only: an embedding program keeps its own tree).
         become_subreaper()

@@ -28,9 +28,8 @@ handed over is complete: a failure after that ends it as it is.
 Nothing is counted before it has happened: the sink counts an event as sent once the
 writer has been handed it (a hand-over a timeout cancels is not sent, and the dispatcher
 lets a half-done one settle before it reads what was); an attempt is recorded once the
-writer has been told it begins; queue time is recorded however the wait ended. The
-writer's waiting notices (A2) follow `Queued`/`Started`, which are never dropped: a
-`Started` that matters waits for room, a `Queued` that finds none goes when there is.
+writer has been told it begins; queue time is recorded however the wait ended; lane
+notices are never dropped (`relay.engine.notices`).
 """
 
 from __future__ import annotations
@@ -215,6 +214,7 @@ class Dispatcher:
         sink.pieces, sink.other_output = [sent.text], sent.other_output
         run = Run(target, call, sink, record)
         self.runs.append(run)
+        target.provider.track(run, self.record, self.priority)  # listed in the status
         own = self.plan.timeout_for(target)
         own_deadline = now + own if own is not None else math.inf
         nursery.start_soon(self._run_attempt, run)
@@ -260,6 +260,7 @@ class Dispatcher:
         if self.stream:  # a plain answer reaches the client only at the end
             sent.text, sent.other_output = sink.text, sink.other_output
         self._log(run)
+        target.provider.observe(run.error)  # SPEC H5: real traffic keeps the state honest
         return run
 
     def _accept(self, run: Run) -> None:

@@ -12,7 +12,8 @@ slot is given back only after the adapter's scope has exited, cleanup included (
 
 Edges:
 - queue full → ``provider_queue_full`` at once; waited past ``queue_timeout_s`` →
-  ``provider_queue_timeout`` (SPEC L7), each with an honest estimate of when to retry;
+  ``provider_queue_timeout`` (SPEC L7), each with an honest estimate of when to retry
+  (`Lane.estimate_wait_s`: what the running requests have left, then the queue ahead);
 - a waiter cancelled in the very tick it is granted a slot hands the slot back (a naive
   limiter leaks it, notes/trio-stack.md Q5), and that grant was no start: the pacer
   forgets it, so the next waiter may start at once;
@@ -77,6 +78,7 @@ class _Waiter:
     # that a grant handed straight back (cancelled in the same tick) is not a start.
     start_no: int = 0
     paced_from: float = -math.inf
+    granted_at: float = 0.0  # when the slot became its own (its start, for the estimate)
 
     def __lt__(self, other: _Waiter) -> bool:
         return (self.rank, self.seq) < (other.rank, other.seq)
@@ -96,8 +98,12 @@ class Lane:
         # start is due 60 / rpm after the last one, with the rpm of the current profile.
         self._last_start = -math.inf
         self._starts = 0
-        # A running average of how long a slot is held, for honest Retry-After figures.
+        # How long a slot is held, for honest Retry-After figures: the adapter's typical
+        # call time until a hold has been seen, then a running average of the holds seen
+        # (the first one replaces the guess). And when each slot held now was taken.
         self._avg_run_s = expected_run_s
+        self._holds_seen = 0
+        self._held_since: list[float] = []
         self._idle = trio.Event()
         self._idle.set()
 
@@ -138,15 +144,50 @@ class Lane:
         return LaneStatistics(running=self._borrowed, capacity=self._profile.lanes,
                               queued=self._live, queue_max=self._profile.queue_max)
 
-    def estimate_wait_s(self) -> float:
-        """When a request arriving now could expect to start, roughly (for Retry-After)."""
+    def estimate_wait_s(self, priority: str = "normal") -> float:
+        """When a request of ``priority`` arriving now could expect to start (seconds from
+        now; for Retry-After). See `estimate`."""
+        return self.estimate(priority)[0]
+
+    def estimate(self, priority: str = "normal") -> tuple[float, list[float], float, int]:
+        """When a request of ``priority`` arriving now could expect to start, and what
+        that rests on: ``(wait_s, left_s, call_s, ahead)`` — what each running request
+        has left (shortest first), the expected call time, the waiters ahead.
+
+        Each running request has left what its expected call time leaves after what it
+        has run — or, once it has run longer than expected, as long again as it is over
+        (a call far over the lane's average has shown it is a long one) — never more
+        than its run timeout and interrupt grace allow. The expected call time is the
+        lane's average hold (the adapter's typical call time until one is seen), or the
+        median of what the running requests have run so far when that is longer (the
+        average is stale: no request has finished, or the calls got longer). The
+        ``ahead`` waiters of the same or a higher class then take the slots as they come
+        free, one expected call each, and the pacer spaces every start by 60 / rpm.
+        """
         now = trio.current_time()
-        pace = max(0.0, self._next_start - now)
-        lanes = max(1, self._profile.lanes)
-        if self._borrowed < lanes and self._live == 0:
-            return pace
-        turns = (self._live + 1) / lanes
-        return max(pace, self._avg_run_s * turns)
+        rank = PRIORITIES.get(priority, PRIORITIES["normal"])
+        prof = self._profile
+        lanes = max(1, prof.lanes)
+        bound = prof.run_timeout_s + prof.interrupt_grace_s
+        ran = sorted(now - t for t in self._held_since)
+        call = self._avg_run_s
+        if ran:
+            call = max(call, ran[len(ran) // 2])
+        call = min(call, bound)
+        left = sorted(min(max(bound - t, 0.0), abs(self._avg_run_s - t)) for t in ran)
+        # When each of the ``lanes`` slots comes free: the held ones beyond capacity (a
+        # reload took lanes away) must end before their slot counts.
+        free = [0.0] * max(0, lanes - len(left)) + left[max(0, len(left) - lanes):]
+        heapq.heapify(free)
+        ahead = sum(1 for w in self._heap if not w.cancelled and w.rank <= rank)
+        gap = 60.0 / prof.rpm if prof.rpm > 0 else 0.0
+        start = self._next_start - now - gap  # the pacer's last start, from now
+        steps = min(ahead, 4096) + 1
+        for _ in range(steps):
+            start = max(heapq.heappop(free), start + gap)
+            heapq.heappush(free, start + call)
+        start += (ahead + 1 - steps) * max(call / lanes, gap)  # a huge queue: its rate
+        return max(0.0, start), left, call, ahead
 
     @asynccontextmanager
     async def slot(
@@ -181,7 +222,7 @@ class Lane:
             return ticket
         if self._live >= self._profile.queue_max:
             self._maybe_idle()
-            raise self._capacity_error("provider_queue_full")
+            raise self._capacity_error("provider_queue_full", priority=priority)
 
         waiter = _Waiter(rank, next(self._seq))
         heapq.heappush(self._heap, waiter)
@@ -205,18 +246,21 @@ class Lane:
             # the same tick? Then the slot is ours and must go back, or it leaks.
             if waiter.granted:
                 self._unstart(waiter)
+                self._held_since.remove(waiter.granted_at)
                 self._give_back()
             else:
                 self._forget(waiter)
             raise
         if not waiter.granted:
             self._forget(waiter)
-            raise self._capacity_error("provider_queue_timeout", waited_s=trio.current_time() - now)
-        ticket.started_at = trio.current_time()
+            raise self._capacity_error("provider_queue_timeout", waited_s=trio.current_time() - now,
+                                       priority=priority)
+        ticket.started_at = waiter.granted_at
         return ticket
 
     def _take(self, ticket: Ticket, now: float) -> None:
         self._borrowed += 1
+        self._held_since.append(now)
         ticket.started_at = now
         self._last_start = now
         self._starts += 1
@@ -244,8 +288,10 @@ class Lane:
             if waiter.cancelled:
                 continue
             self._borrowed += 1
+            self._held_since.append(now)
             self._live -= 1
             waiter.granted = True
+            waiter.granted_at = now
             waiter.paced_from = self._last_start
             self._last_start = now
             self._starts += 1
@@ -272,12 +318,17 @@ class Lane:
         now = trio.current_time()
         ticket.released_at = now
         if ticket.started_at is not None:
-            self._avg_run_s += 0.2 * ((now - ticket.started_at) - self._avg_run_s)
+            self._held_since.remove(ticket.started_at)
+            self._holds_seen += 1
+            weight = max(0.2, 1.0 / self._holds_seen)
+            self._avg_run_s += weight * ((now - ticket.started_at) - self._avg_run_s)
         self._give_back()
 
-    def _capacity_error(self, reason: str, waited_s: float | None = None) -> RelayError:
+    def _capacity_error(self, reason: str, waited_s: float | None = None,
+                        priority: str = "normal") -> RelayError:
         stats = self.statistics()
-        retry = max(1.0, self.estimate_wait_s())
+        wait, left, call, ahead = self.estimate(priority)
+        retry = max(1.0, wait)
         numbers = (f"{stats.running}/{stats.capacity} running, {stats.queued} queued "
                    f"(queue_max {stats.queue_max})")
         if reason == "provider_queue_full":
@@ -289,4 +340,18 @@ class Lane:
                        f"{self.name!r} (connection checks included) to finish: {numbers}. "
                        f"This request was not started. Retry in about {math.ceil(retry)} s, "
                        "once they have finished.")
+        message += f" ({_basis(left, call, ahead, self._profile.rpm)})"
         return RelayError(reason, message, provider=self.name, retry_after_s=retry)
+
+
+def _basis(left: list[float], call: float, ahead: int, rpm: float) -> str:
+    """What an estimate rests on, in words: "estimated: the running requests have about
+    50-60 s left; 2 waiting ahead, about 90 s each"."""
+    low, high = (math.ceil(left[0]), math.ceil(left[-1])) if left else (0, 0)
+    said = f"estimated: the running requests have about {low}"
+    said += f"-{high} s left" if high != low else " s left"
+    if ahead:
+        said += f"; {ahead} waiting ahead, about {math.ceil(call)} s each"
+    if rpm:
+        said += f"; one start every {60 / rpm:g} s"
+    return said

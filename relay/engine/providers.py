@@ -12,15 +12,30 @@ adapter scope has exited, so a handle counts every attempt that may still run on
 queued ones included. A reload that replaces or removes a provider retires its handle;
 the adapter is closed once no attempt is inside — a removed provider's queued requests
 finish on it first, and no request ever starts on a closed adapter.
+
+A provider's state (SPEC H4) is set by connection checks (`relay.engine.checks`, with
+rules of their own) and kept honest by real traffic (H5: `Provider.observe`, told each
+attempt's outcome by the dispatcher)::
+
+    answered                              → connected, its warning cleared
+    quota_exhausted, rate_limited         → connected, with a warning
+    auth_required, upstream_unavailable   → failing, with that reason (logged out; a
+                                             server that does not answer; not installed)
+    anything else                         → nothing changes (H2): 5xx, timeouts, capacity,
+                                             client stops, refusals of one request's content
+
+Its attempts in flight (queued, running, stopping) are listed in the status
+(`Provider.track`), held weakly: a finished request's attempt needs no unregistering.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -29,9 +44,9 @@ from relay.api.adapter import Adapter
 from relay.vocab import redact
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import ProviderConfig
-from relay.vocab.records import Clock
+from relay.vocab.records import Attempt, Clock, Record
 
-from .lanes import Lane
+from .lanes import PRIORITIES, Lane
 
 __all__ = ["AdapterHandle", "Provider"]
 
@@ -39,6 +54,20 @@ logger = logging.getLogger(__name__)
 
 DISCOVERY_TIMEOUT_S = 3.0
 DISCOVERY_MIN_INTERVAL_S = 15.0
+MAX_LISTED_REQUESTS = 100  # attempts in flight listed per provider in the status
+
+# SPEC H5: what a real request's outcome does to its provider's state (module docstring).
+TRAFFIC_WARNS = frozenset({"quota_exhausted", "rate_limited"})
+TRAFFIC_FAILS = frozenset({"auth_required", "upstream_unavailable"})
+
+
+class InFlight(Protocol):
+    """What the status reads of one attempt in flight (`relay.engine.attempt.Run`)."""
+
+    record: Attempt
+    running_since: float | None
+    stopped_at: float | None
+    finished_at: float | None
 
 
 @attrs.define(eq=False)
@@ -97,6 +126,10 @@ class Provider:
     checked_at: float | None = None
     warning: str | None = None
     discovered_at: float = -math.inf
+    seen_at: float | None = None  # when real traffic last set the state (H5)
+    # Attempts in flight → (request id, route, priority); see `track`.
+    _in_flight: weakref.WeakKeyDictionary[InFlight, tuple[str, str | None, str]] = (
+        attrs.field(factory=weakref.WeakKeyDictionary))
 
     @property
     def name(self) -> str:
@@ -128,6 +161,47 @@ class Provider:
             except RelayError as exc:
                 logger.debug("model discovery for %s failed: %s", self.name, exc.message)
 
+    def observe(self, error: RelayError | None) -> None:
+        """SPEC H5: one attempt of a real request has ended (``error`` None: answered);
+        its outcome keeps the state honest (the module docstring has the table). A
+        check's own attempt comes here too; the check then applies its own rules."""
+        if error is None:
+            self.state, self.state_reason, self.warning = "connected", None, None
+        elif error.reason in TRAFFIC_WARNS or error.reason in TRAFFIC_FAILS:
+            failing = error.reason in TRAFFIC_FAILS
+            self.state = "failing" if failing else "connected"
+            self.state_reason = error.reason if failing else None
+            self.warning = error.message + (f" — {error.action}" if error.action else "")
+        else:
+            return  # busy, slow, stopped or refused is not broken (H2)
+        self.seen_at = trio.current_time()
+
+    def track(self, attempt: InFlight, request: Record, priority: str) -> None:
+        """List ``attempt`` (of ``request``) in the status while it is in flight: from
+        before it queues until its lane slot is back (its ``finished_at``)."""
+        self._in_flight[attempt] = (request.id, request.route, priority)
+
+    def requests(self, clock: Clock) -> list[dict[str, Any]]:
+        """The attempts in flight here: running ones (and stopping ones: timed out, their
+        cleanup still holding the slot) by start, then the queued ones in queue order."""
+        now = trio.current_time()
+        listed: list[tuple[tuple[int, int, float], dict[str, Any]]] = []
+        for run, (request_id, route, priority) in list(self._in_flight.items()):
+            if run.finished_at is not None:
+                continue
+            started, running = run.record.started, run.running_since
+            state = ("stopping" if run.stopped_at is not None else
+                     "running" if running is not None else "queued")
+            order = (int(running is None), PRIORITIES.get(priority, 1), running or started)
+            listed.append((order, {
+                "id": request_id, "model": run.record.model, "route": route,
+                "priority": priority, "state": state, "since": clock.iso(started),
+                "queued_s": round((running if running is not None else now) - started, 3),
+                "running_s": round(now - running, 3) if running is not None else None,
+            }))
+        listed.sort(key=lambda item: item[0])
+        return [entry for _, entry in listed[:MAX_LISTED_REQUESTS]]
+
     def status(self, clock: Clock) -> dict[str, Any]:
         """This provider's entry in ``GET /relay/v1/status`` (SPEC A3, 9)."""
         stats = self.lane.statistics()
@@ -136,10 +210,12 @@ class Provider:
             "state": self.state,
             "state_reason": self.state_reason,
             "checked_at": clock.iso(self.checked_at),
+            "seen_at": clock.iso(self.seen_at),
             "models": self.models,
             "warning": self.warning,
             "lanes": {"running": stats.running, "capacity": stats.capacity,
                       "queued": stats.queued, "queue_max": stats.queue_max},
+            "requests": self.requests(clock),
         })
 
 

@@ -70,6 +70,7 @@ class Chat:
         record = exchange.record
         self.priority = priority_of(exchange)
         chat = exchange.dialect.parse(body)
+        record.requested_model = chat.model
         record.stream = chat.stream
         refuse_when_draining(exchange)
         plan = make_plan(exchange.relay, chat.model, chat.fallbacks)

@@ -87,6 +87,7 @@ class Exchange:
         self._send = send
         self.server = relay.config.server
         self.record = Record(id=scope["relay.request_id"], started_at=trio.current_time())
+        scope["relay.record"] = self.record  # the guard's log line reads the model, reason
         self.phase = Phase.RECEIVED
         self.request_scope = trio.CancelScope()  # the request's nursery's, once it runs
         self.include_usage = False

@@ -76,7 +76,7 @@ class Fanout:
         record = exchange.record
         self.stream = record.stream = bool(data.get("stream", False))
         record.route = "(fanout)"
-        record.model = ",".join(models)
+        record.model = record.requested_model = ",".join(models)
         params = {k: v for k, v in data.items()
                   if k not in ("model", "messages", "stream", "fallbacks")}
         for i, name in enumerate(models):
@@ -117,6 +117,12 @@ class Fanout:
         record.attempts = [a for b in self.branches for a in b.record.attempts]
         record.fallback_triggered = any(b.record.fallback_triggered for b in self.branches)
         record.skipped_events = [e for b in self.branches for e in b.record.skipped_events]
+        # The branches wait side by side: the request waited as long as its longest wait
+        # (a branch that left while queued included); run time is the lanes' time, summed.
+        waits = [b.record.queue_ms for b in self.branches if b.record.queue_ms is not None]
+        runs = [b.record.run_ms for b in self.branches if b.record.run_ms is not None]
+        record.queue_ms = max(waits) if waits else None
+        record.run_ms = round(sum(runs), 3) if runs else None
         releases = [a.released_at for a in record.attempts if a.released_at is not None]
         record.released_at = max(releases) if releases else None
         return False

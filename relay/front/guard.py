@@ -3,12 +3,25 @@
 Host, token, Origin and content-type checks, the body read whole under a size limit and
 a deadline, and the request id. The inner app gets the whole body at once, then the real
 ``receive`` (so it still sees ``http.disconnect``).
+
+It sees every exchange, so it writes the one INFO line per exchange (SPEC 9; logger
+``relay.access``, which ``relay serve --quiet`` turns off)::
+
+    POST /v1/chat/completions 200 812.4 ms request=3f2a… model=fake/echo in=97 B out=301 B
+
+Method, path (never the query string: a client may put a key there), the status sent,
+the duration, the request id, the model asked for, the body bytes each way, and the
+outcome when the record names one (``reason=client_disconnected``) — never a body or a
+header's value. Values from the client are quoted and escaped when they are not plain,
+so no client can write a line of its own into the log.
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
+import logging
 import os
 import secrets
 from collections.abc import Awaitable, Callable
@@ -24,7 +37,10 @@ from relay.vocab.records import Record
 
 from .asgi import RELAY_ROUTES, Message, Receive, Scope, Send, header, send_error
 
-__all__ = ["Guard"]
+__all__ = ["ACCESS_LOG", "Guard"]
+
+ACCESS_LOG = "relay.access"
+access_log = logging.getLogger(ACCESS_LOG)
 
 
 def _host_name(host: str) -> str | None:
@@ -76,6 +92,15 @@ class Guard:
             return
         request_id = secrets.token_hex(8)
         scope["relay.request_id"] = request_id
+        exchange = _Logged(trio.current_time())
+        try:
+            await self._serve(scope, receive, send, exchange)
+        finally:
+            exchange.log(scope)  # synchronous: it runs when cancelled too
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send,
+                     exchange: _Logged) -> None:
+        request_id = scope["relay.request_id"]
         origin = header(scope, b"origin")
         extra = [(b"x-relay-request-id", request_id.encode())]
         if origin is not None and origin in self.origins:
@@ -86,6 +111,9 @@ class Guard:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", ()), *extra]}
+                exchange.status = message["status"]
+            else:
+                exchange.bytes_out += len(message.get("body", b""))
             await send(message)
 
         dialect = RELAY_ROUTES.get(scope["path"], OPENAI)
@@ -105,6 +133,7 @@ class Guard:
         body = await self._read_body(scope, receive, send_with_id, dialect)
         if body is None:
             return
+        exchange.bytes_in = len(body)
         await self.inner(scope, receive, send_with_id, body)
 
     def _refusal(self, scope: Scope, origin: str | None) -> RelayError | None:
@@ -163,6 +192,7 @@ class Guard:
             else:
                 record = Record(id=scope["relay.request_id"], started_at=now,
                                 status=error.status, reason=error.reason, phase=error.phase)
+            scope["relay.record"] = record  # for the exchange's log line
             self.relay.records.write(record)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send,
@@ -189,6 +219,40 @@ class Guard:
         self._record(scope, error)
         await send_error(send, error, dialect)
         return None
+
+
+class _Logged:
+    """What the exchange's log line says, gathered as the exchange goes."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.status: int | None = None
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    def log(self, scope: Scope) -> None:
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        record: Record | None = scope.get("relay.record")  # relay routes: the record
+        model = (record.requested_model or record.model) if record is not None else None
+        line = (f"{_plain(scope['method'])} {_plain(scope['path'])}"
+                f"{'?…' if scope.get('query_string') else ''} {self.status or '-'} "
+                f"{(trio.current_time() - self.started) * 1000:.1f} ms "
+                f"request={scope['relay.request_id']}"
+                + (f" model={_plain(model)}" if model else "")
+                + f" in={self.bytes_in} B out={self.bytes_out} B")
+        if record is not None and record.reason is not None:
+            line += f" reason={record.reason}"  # a failure, or a client that left
+        access_log.info("%s", line)
+
+
+def _plain(value: str, limit: int = 200) -> str:
+    """``value`` as is when it is plain printable ASCII without spaces or quotes, else
+    JSON-quoted (control characters escaped); at most ``limit`` characters of it."""
+    value = value if len(value) <= limit else value[:limit] + "…"
+    if value.isascii() and value.isprintable() and not any(c in value for c in ' "\\'):
+        return value
+    return json.dumps(value)
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

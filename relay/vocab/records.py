@@ -93,6 +93,7 @@ class Attempt:
 class Record:
     id: str
     started_at: float
+    requested_model: str | None = None  # the model as the client named it (a refusal too)
     route: str | None = None
     provider: str | None = None
     model: str | None = None
