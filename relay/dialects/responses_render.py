@@ -244,7 +244,7 @@ class ResponsesStream:
         self.status: tuple[str, str | None] = ("completed", None)
         self.usage: Usage | None = None
         self.raw = False
-        self.final_sent = False
+        self.held = b""  # a passed-through final event, sent with the stream's last write
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         obj = {"type": kind, **fields, "sequence_number": self.seq}
@@ -388,7 +388,9 @@ class ResponsesStream:
 
     def done(self) -> bytes:
         if self.raw:
-            return b""  # the provider's own response.completed went out
+            # The provider's own response.completed, held back until now: a client that
+            # hangs up once it has it (Codex does) has then had the whole answer.
+            return self.held
         out = self._start() + self._close()
         status = self.status[0]
         response = self._response(status)
@@ -407,6 +409,7 @@ class ResponsesStream:
         if isinstance(fields.get("response"), dict):
             fields["response"] = self.r.passed(fields["response"], self.id, self.model)
             if kind in ("response.completed", "response.incomplete"):
-                self.final_sent = True
                 self.r.final(fields["response"])
+                self.held = self._event(kind, **fields)
+                return b""
         return self._event(kind, **fields)
