@@ -24,7 +24,11 @@ class Turn:
 
 
 def decide(turn: Turn) -> tuple[str, str, str]:
-    """("call", name, arguments) or ("text", "", text)."""
+    """("call", name, arguments), ("text", "", text), or ("fail", "", status) when the
+    user text holds ``RELAY-FAIL<status>``."""
+    failing = re.search(r"RELAY-FAIL(\d{3})", turn.user)
+    if failing:
+        return "fail", "", failing[1]
     if turn.outputs:
         return "text", "", "RELAY-DONE " + " | ".join(o.strip() for o in turn.outputs)
     match = _CALL.search(turn.user)

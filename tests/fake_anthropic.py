@@ -107,9 +107,14 @@ class FakeAnthropic(FakeServer):
         script = self.scripts.get(str(req.get("model")), self.default)
         if self.agent and str(req.get("model")) not in self.scripts:
             kind, name, text = decide(from_messages(req))
-            script = Script(chunks=[text]) if kind == "text" else Script(chunks=[], tool_uses=[
-                {"id": f"toolu_{len(self.requests)}", "name": name,
-                 "input": json.loads(text)}])
+            if kind == "fail":
+                script = Script(status=int(text))
+            elif kind == "text":
+                script = Script(chunks=[text])
+            else:
+                script = Script(chunks=[], tool_uses=[{"id": f"toolu_{len(self.requests)}",
+                                                       "name": name,
+                                                       "input": json.loads(text)}])
         if script.hang:
             await trio.sleep_forever()
         if script.first_byte_delay_s:

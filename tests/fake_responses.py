@@ -77,6 +77,9 @@ class FakeResponses(FakeServer):
             await ex.send_json(400, error_body(400, "unexpected field (relay's own)"))
             return
         script = self.scripts.get(req["model"], Script())
+        kind, _, status = decide(from_responses(req))
+        if kind == "fail" and req["model"] not in self.scripts:
+            script = Script(status=int(status))
         if script.status != 200:
             await ex.send_json(script.status, script.error or error_body(script.status,
                                                                          "fake error"))

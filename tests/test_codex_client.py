@@ -173,7 +173,8 @@ def stage() -> Iterator[Stage]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def run_codex(stage: Stage, model: str, prompt: str) -> list[dict[str, Any]]:
+def run_codex(stage: Stage, model: str, prompt: str, *, check: bool = True,
+              provider_extra: str = "") -> list[dict[str, Any]]:
     """``codex exec --json`` in a throwaway work folder: its events."""
     home = Path(tempfile.mkdtemp(prefix="home-", dir=stage.root))
     codex_home = home / ".codex"
@@ -187,17 +188,17 @@ base_url = "{stage.url}/v1"
 env_key = "RELAY_TEST_KEY"
 wire_api = "responses"
 supports_websockets = false
-""")
+{provider_extra}""")
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
            "CODEX_HOME": str(codex_home), "TMPDIR": str(home), "RELAY_TEST_KEY": "sk-x"}
     done = subprocess.run(
         ["ip", "netns", "exec", stage.name, "codex", "exec", "--skip-git-repo-check",
-         "-c", "analytics.enabled=false", "--sandbox", "danger-full-access", "--json",
+         "-c", "analytics.enabled=false", "--sandbox", "read-only", "--json",
          prompt], cwd=stage.work, env=env, stdin=subprocess.DEVNULL,
         capture_output=True, timeout=120, check=False)
     events = [json.loads(line) for line in done.stdout.decode().splitlines()
               if line.startswith("{")]
-    assert done.returncode == 0, (done.returncode, done.stdout.decode()[-3000:],
+    assert done.returncode == 0 or not check, (done.returncode, done.stdout.decode()[-3000:],
                                   done.stderr.decode()[-3000:])
     return events
 
@@ -232,3 +233,26 @@ def test_codex_exec_answers_with_a_shell_round_trip(stage: Stage, tmp_path: Path
     assert [r["status"] for r in recs] == [200, 200] and all(r["stream"] for r in recs)
     if fake != "responses":
         assert "tools.web_search" in recs[0]["ignored_fields"]
+
+
+@pytest.mark.parametrize("model", ["up/agent", "oa/gpt-agent"])
+def test_codex_gets_relays_verdict_on_a_failure(stage: Stage, tmp_path: Path,
+                                                model: str) -> None:
+    """An upstream 500 that relay has already answered for: a 502 ``upstream_error``
+    with ``x-should-retry: false`` and relay's words, which Codex shows.
+
+    Codex 0.171 does not read ``x-should-retry``: with its defaults it resends the
+    request (``request_max_retries`` 4, then ``stream_max_retries`` 5 reconnects: 30
+    requests, measured). Its own provider settings turn that off, as they do for any
+    provider that retries for it; with them, relay sees the request exactly once.
+    """
+    stage.work = tmp_path
+    before = len(stage.records())
+    events = run_codex(stage, model, "Say hi. RELAY-FAIL500", check=False,
+                       provider_extra="request_max_retries = 0\nstream_max_retries = 0\n")
+    failed = [e for e in events if e.get("type") == "turn.failed"]
+    assert failed, events
+    assert "upstream_error" in failed[-1]["error"]["message"] or \
+        "502" in failed[-1]["error"]["message"], failed
+    recs = stage.records()[before:]
+    assert [(r["status"], r["reason"]) for r in recs] == [(502, "upstream_error")], recs

@@ -428,8 +428,12 @@ class _Connection:
         script = self.up.script_for(model)
         if self.up.agent and model not in self.up.scripts and model not in self.up.sequences:
             kind, name, text = decide(from_chat(req))
-            script = Script(chunks=[text[:len(text) // 2], text[len(text) // 2:]]) \
-                if kind == "text" else Script(chunks=[], tool_calls=[
+            if kind == "fail":
+                script = Script(status=int(text))
+            elif kind == "text":
+                script = Script(chunks=[text[:len(text) // 2], text[len(text) // 2:]])
+            else:
+                script = Script(chunks=[], tool_calls=[
                     {"id": f"call_{len(self.up.requests)}", "type": "function",
                      "function": {"name": name, "arguments": text}}])
         if script.hang:
