@@ -27,13 +27,14 @@ ids, reasoning with its encrypted content, hosted tools' items — untouched.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from typing import Any
 
 from relay.dialects.base import Answer, dumps
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Delta, Finish, Usage
+
+from .responses_custom import StringValue, custom_input
 
 __all__ = ["ResponsesRender", "ResponsesStream", "new_response_id"]
 
@@ -43,7 +44,6 @@ _STATUS: dict[str, tuple[str, str | None]] = {
     "function_call": ("completed", None), "length": ("incomplete", "max_output_tokens"),
     "content_filter": ("incomplete", "content_filter"),
 }
-_PREFIX = re.compile(r'\s*\{\s*"input"\s*:\s*"')
 
 
 def new_response_id(request_id: str) -> str:
@@ -58,18 +58,6 @@ def _usage(usage: Usage | None) -> dict[str, Any] | None:
             "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.total_tokens if usage.total_tokens is not None
             else inp + out}
-
-
-def _custom_input(arguments: str) -> str:
-    """The one string argument of a translated custom tool's call (the arguments whole,
-    when the model did not keep to the schema)."""
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return arguments
-    if isinstance(value, dict) and isinstance(value.get("input"), str):
-        return str(value["input"])
-    return arguments
 
 
 class ResponsesRender:
@@ -119,7 +107,7 @@ class ResponsesRender:
         if chat_name in self.custom:
             item = {"id": f"ctc_{rid[5:]}_{k}", "type": "custom_tool_call",
                     "status": "completed", "call_id": call_id, "name": name,
-                    "input": _custom_input(args)}
+                    "input": custom_input(args)}
         else:
             item = {"id": f"fc_{rid[5:]}_{k}", "type": "function_call",
                     "status": "completed", "call_id": call_id, "name": name,
@@ -168,59 +156,7 @@ class _Item:
         self.item = item
         self.text: list[str] = []  # text, reasoning, function arguments, custom input
         self.args: list[str] = []  # a custom tool's raw arguments
-        self.custom = _StringValue() if kind == "custom" else None
-
-
-class _StringValue:
-    """The string a translated custom tool's arguments (``{"input": "…"}``) hold,
-    decoded as its JSON arrives, so its input streams as the model writes it."""
-
-    def __init__(self) -> None:
-        self.raw = ""
-        self.pos: int | None = None
-        self.stopped = False
-
-    def feed(self, piece: str) -> str:
-        self.raw += piece
-        if self.stopped:
-            return ""
-        if self.pos is None:
-            match = _PREFIX.match(self.raw)
-            if match is None:
-                if len(self.raw) > 64 or not '{"input":"'.startswith(
-                        re.sub(r"\s", "", self.raw)[:10]):
-                    self.stopped = True  # not the expected shape: given whole at the end
-                return ""
-            self.pos = match.end()
-        end, i, raw = self.pos, self.pos, self.raw
-        while i < len(raw):
-            c = raw[i]
-            if c == '"':
-                self.stopped = True
-                break
-            if c == "\\":
-                if i + 1 >= len(raw):
-                    break
-                if raw[i + 1] == "u":
-                    width = 6
-                    if i + 6 <= len(raw) and 0xD800 <= int(raw[i + 2:i + 6] or "0", 16) \
-                            <= 0xDBFF:
-                        width = 12  # a surrogate pair is decoded whole
-                    if i + width > len(raw):
-                        break
-                    i += width
-                else:
-                    i += 2
-            else:
-                i += 1
-            end = i
-        try:
-            text = json.loads('"' + raw[self.pos:end] + '"')
-        except ValueError:
-            self.stopped = True
-            return ""
-        self.pos = end
-        return str(text)
+        self.custom = StringValue() if kind == "custom" else None
 
 
 class ResponsesStream:
@@ -301,7 +237,7 @@ class ResponsesStream:
                                name=item["name"], arguments=text)
             item.update(status="completed", arguments=text)
         else:
-            whole = _custom_input("".join(cur.args))
+            whole = custom_input("".join(cur.args))
             if whole.startswith(text) and len(whole) > len(text):
                 out += self._event("response.custom_tool_call_input.delta", **at,
                                    delta=whole[len(text):])
