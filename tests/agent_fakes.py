@@ -23,15 +23,15 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fake_anthropic import FakeAnthropic, serve_fake_anthropic  # noqa: E402
-from fake_responses import FakeResponses, serve_fake_responses  # noqa: E402
-from upstream import FakeUpstream, serve_fake_upstream  # noqa: E402
+from fake_anthropic import FakeAnthropic, serve_fake_anthropic
+from fake_responses import FakeResponses, serve_fake_responses
+from upstream import FakeUpstream, serve_fake_upstream
 
 
 async def log_requests(name: str, fake: Any, log: Path) -> None:
     written = 0
     while True:
-        await fake.wait_until(lambda: len(fake.requests) > written)
+        await fake.wait_until(lambda n=written: len(fake.requests) > n)
         with log.open("a", encoding="utf-8") as f:
             for r in fake.requests[written:]:
                 f.write(json.dumps({"fake": name, "path": r.path, "body": r.json}) + "\n")
