@@ -614,3 +614,50 @@ async def test_pass_through_custom_tools_natively_and_errors(nursery: trio.Nurse
         assert name == "response.failed" and data["response"]["error"]["code"] == \
             "upstream_error"
         assert "FAKE-FAILED" in data["response"]["error"]["message"]
+
+
+def test_responses_setting_defaults_to_the_openai_preset(tmp_path: Path) -> None:
+    from conftest import config_from
+
+    from relay.adapters.openai_compat import OpenAIAdapter
+
+    config = config_from("""
+[providers.oa]
+adapter = "openai"
+preset = "openai"
+models = ["gpt-5"]
+[providers.vl]
+adapter = "openai"
+preset = "vllm"
+models = ["q"]
+[providers.vl_on]
+adapter = "openai"
+preset = "vllm"
+responses = true
+models = ["q"]
+[providers.oa_off]
+adapter = "openai"
+preset = "openai"
+responses = false
+models = ["gpt-5"]
+""", tmp_path)
+    speaks = {name: OpenAIAdapter(p).capabilities.responses
+              for name, p in config.providers.items()}
+    assert speaks == {"oa": True, "vl": False, "vl_on": True, "oa_off": False}
+
+
+async def test_a_passed_through_primary_falls_back_to_a_translated_provider(
+        nursery: trio.Nursery, tmp_path: Path, upstream: FakeUpstream) -> None:
+    served, fake = await passing(nursery, tmp_path, upstream.url)
+    fake.scripts["gpt-fake-2"] = RScript(status=500)
+    async with http_client() as http:
+        c = oai(served, http)
+        done = await c.responses.create(model="oa/gpt-fake-2", input="hi",
+                                        extra_body={"fallbacks": ["chat/m1"]})
+        assert done.output_text == "Hello world" and done.model == "chat/m1"
+        assert posts(fake)[-1].path == "/v1/responses"
+        assert posts(upstream)[-1].json["messages"] == [{"role": "user", "content": "hi"}]
+    rec = records(tmp_path)[-1]
+    assert [(a["provider"], a["failure"]) for a in rec["attempts"]] == [
+        ("oa", "upstream_error"), ("chat", None)]
+    assert rec["fallback_triggered"] is True
