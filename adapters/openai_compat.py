@@ -14,6 +14,11 @@ relay's bounded reader (SPEC O5).
 
 Presets (SPEC L4) fill the base URL, the key's variable and a profile fitting the kind of
 server; the file overrides any of them.
+
+A server that speaks OpenAI's Responses API itself (``responses = true``; the default for
+the ``openai`` preset, SPEC 9) is given a ``/v1/responses`` request as the client sent it,
+at its own ``/responses`` (`adapters._responses`); every other request, and every request
+to a server without it, goes to ``/chat/completions`` (SPEC A7).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from relay.vocab.errors import RelayError, excerpt
 from relay.vocab.events import Call, Delta, EventSink, Finish, Skipped, Usage
 from relay.vocab.profile import Profile
 
+from ._responses import ResponsesReader
 from .base import HTTPAdapter, upstream_failure
 
 __all__ = ["PRESETS", "OpenAIAdapter", "OpenAISettings", "Preset"]
@@ -69,6 +75,9 @@ PRESETS: dict[str, Preset] = {
 @attrs.frozen(kw_only=True)
 class OpenAISettings(HTTPSettings):
     preset: str | None = None
+    # The server speaks /v1/responses itself: pass those requests through. None: true
+    # for the ``openai`` preset, false otherwise.
+    responses: bool | None = None
 
 
 class OpenAIAdapter(HTTPAdapter):
@@ -88,6 +97,14 @@ class OpenAIAdapter(HTTPAdapter):
             self.headers["authorization"] = f"Bearer {key}"
         self.headers.update(self.settings.headers)
         self.key_missing = bool(self.key_env) and not key
+        if self.speaks_responses(self.settings):
+            self.capabilities = Capabilities(tools=True, responses=True)
+
+    @classmethod
+    def speaks_responses(cls, settings: Any) -> bool:
+        if settings.responses is not None:
+            return bool(settings.responses)
+        return bool(settings.preset == "openai")
 
     @classmethod
     def _preset(cls, settings: Any) -> Preset | None:
@@ -120,7 +137,8 @@ class OpenAIAdapter(HTTPAdapter):
         base = settings.base_url or (preset.base_url if preset else "?")
         key = settings.api_key_env or (preset.api_key_env if preset else None)
         proxy = f", proxy {settings.proxy}" if settings.proxy else ""
-        return f"base_url {base}, key from {key or '(none)'}{proxy}"
+        responses = ", /v1/responses passed through" if cls.speaks_responses(settings) else ""
+        return f"base_url {base}, key from {key or '(none)'}{proxy}{responses}"
 
     @classmethod
     def settings_problems(cls, settings: Any) -> list[tuple[str, str]]:
@@ -150,6 +168,9 @@ class OpenAIAdapter(HTTPAdapter):
     async def run(self, call: Call, events: EventSink) -> None:
         self.refuse_without_key()
         events = self.bounded(events)
+        if call.responses is not None and self.capabilities.responses:
+            await self._pass_responses(call, events)
+            return
         body = {**call.params, "model": call.model, "messages": call.messages,
                 "stream": call.stream}
         if call.stream:  # ask for usage always: the record wants it
@@ -158,6 +179,16 @@ class OpenAIAdapter(HTTPAdapter):
         await self.post(f"{self.base_url}/chat/completions", body, stream=call.stream,
                         read_stream=lambda resp: self._read_stream(resp, events),
                         read_whole=lambda text: self._emit_whole(text, events))
+
+    async def _pass_responses(self, call: Call, events: EventSink) -> None:
+        assert call.responses is not None
+        body = {**call.responses, "model": call.model, "stream": call.stream}
+        reader = ResponsesReader(self.name, events,
+                                 lambda err: _inband_error(self.name, err))
+        await self.post(f"{self.base_url}/responses", body, stream=call.stream,
+                        read_stream=lambda resp: self.read_sse(
+                            resp, reader.event, complete=lambda: reader.final),
+                        read_whole=reader.whole)
 
     async def _read_stream(self, resp: Any, events: EventSink) -> None:
         open_choices: set[int] = set()

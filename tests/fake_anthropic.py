@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 import trio
+from agent_turns import decide, from_messages
 from fake_http import Abort, Exchange, FakeServer, serve_fake
 
 __all__ = ["KEY", "FakeAnthropic", "Script", "error_body", "serve_fake_anthropic"]
@@ -74,6 +75,7 @@ class FakeAnthropic(FakeServer):
         self.default = Script()
         self.models = ["claude-test-1", "claude-test-2", "claude-test-3"]
         self.page_size = 2
+        self.agent = False  # play an agent's model (agent_turns) for unscripted models
 
     async def respond(self, ex: Exchange) -> None:
         if ex.request.headers.get("x-api-key") != KEY:
@@ -103,6 +105,16 @@ class FakeAnthropic(FakeServer):
             await ex.send_json(400, error_body(400, "max_tokens: Field required"))
             return
         script = self.scripts.get(str(req.get("model")), self.default)
+        if self.agent and str(req.get("model")) not in self.scripts:
+            kind, name, text = decide(from_messages(req))
+            if kind == "fail":
+                script = Script(status=int(text))
+            elif kind == "text":
+                script = Script(chunks=[text])
+            else:
+                script = Script(chunks=[], tool_uses=[{"id": f"toolu_{len(self.requests)}",
+                                                       "name": name,
+                                                       "input": json.loads(text)}])
         if script.hang:
             await trio.sleep_forever()
         if script.first_byte_delay_s:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import attrs
 import h11
 import trio
+from agent_turns import decide, from_chat
 
 __all__ = [
     "CREATED",
@@ -159,6 +160,8 @@ class FakeUpstream:
         self.scripts: dict[str, Script] = {}
         self.sequences: dict[str, list[Script]] = {}
         self.default_script = Script()
+        # Play an agent's model (agent_turns) for models without a script of their own.
+        self.agent = False
         self.models: list[str] = list(models) if models is not None else ["m1"]
         self.requests: list[Recorded] = []
         self.connections: list[Conn] = []
@@ -423,6 +426,16 @@ class _Connection:
             return
 
         script = self.up.script_for(model)
+        if self.up.agent and model not in self.up.scripts and model not in self.up.sequences:
+            kind, name, text = decide(from_chat(req))
+            if kind == "fail":
+                script = Script(status=int(text))
+            elif kind == "text":
+                script = Script(chunks=[text[:len(text) // 2], text[len(text) // 2:]])
+            else:
+                script = Script(chunks=[], tool_calls=[
+                    {"id": f"call_{len(self.up.requests)}", "type": "function",
+                     "function": {"name": name, "arguments": text}}])
         if script.hang:
             await trio.sleep_forever()
         if script.first_byte_delay_s > 0:

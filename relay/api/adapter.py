@@ -43,6 +43,9 @@ class Capabilities:
     from an assistant prefill (the provider's ``prefill`` key may still turn it off).
     embeddings: ``POST /v1/embeddings`` (SPEC A8). count_tokens: the provider's own token
     counter (SPEC A6). responses: can take an OpenAI Responses request as it is (SPEC A7).
+
+    A kind declares its own; an instance may narrow them from its settings (the
+    ``openai`` adapter's ``responses`` key), so the front asks the instance.
     """
 
     tools: bool = False
@@ -55,7 +58,7 @@ class Capabilities:
 class Adapter:
     kind: ClassVar[str]
     Settings: ClassVar[type[Any]]
-    capabilities: ClassVar[Capabilities] = Capabilities()
+    capabilities: Capabilities = Capabilities()  # the kind's; an instance may set its own
     # Request fields this kind can honour; None: everything passes through.
     supported_params: ClassVar[frozenset[str] | None] = None
     # Fields outside supported_params whose value asks for nothing this kind would do

@@ -35,6 +35,9 @@ class ChatInput:
     params: dict[str, Any]
     fallbacks: Any = None
     include_usage: bool = False
+    # The request as a client of the Responses API sent it, for a provider that speaks
+    # Responses itself (SPEC A7); None for every other dialect.
+    responses: dict[str, Any] | None = None
 
 
 @attrs.define(kw_only=True)

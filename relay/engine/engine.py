@@ -23,6 +23,7 @@ from relay.vocab.profile import ProviderConfig
 from relay.vocab.records import RecordWriter
 
 from .providers import AdapterHandle, Provider, discover
+from .response_store import ResponseStore
 from .stops import RequestStop
 
 __all__ = ["Engine"]
@@ -49,6 +50,7 @@ class Engine:
         self.idle.set()
         self.reloaded = trio.Event()  # set (and replaced) on every reload
         self._reload_lock = trio.Lock()
+        self.responses = ResponseStore()  # /v1/responses' store (SPEC A7): in memory only
 
     # --- providers and their adapters ------------------------------------------------------
     async def open_providers(self) -> None:

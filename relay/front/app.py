@@ -17,6 +17,8 @@ from .exchange import Exchange
 from .fanout import Fanout
 from .guard import Guard
 from .metrics import Metrics
+from .responses import PREFIX as RESPONSES_PREFIX
+from .responses import ResponsesChat, serve_stored
 from .routes import make_quart_app
 
 __all__ = ["Front"]
@@ -44,7 +46,11 @@ class Front:
                 self.guard._record(scope, wrong)
                 await send_error(send, wrong, dialect)
                 return
-            await Exchange(self.relay, scope, receive, send, dialect).serve(body, Chat())
+            handler = ResponsesChat() if scope["path"] == "/v1/responses" else Chat()
+            await Exchange(self.relay, scope, receive, send, dialect).serve(body, handler)
+            return
+        if scope["path"].startswith(RESPONSES_PREFIX):  # stored responses (SPEC A7)
+            await serve_stored(self.relay, scope, send)
             return
         if scope["path"] == "/relay/v1/fanout":
             if scope["method"] != "POST":

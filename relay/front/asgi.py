@@ -9,6 +9,7 @@ from typing import Any
 from relay.dialects.anthropic_messages import ANTHROPIC
 from relay.dialects.base import Dialect, dumps
 from relay.dialects.openai_chat import OPENAI
+from relay.dialects.openai_responses import RESPONSES
 from relay.vocab.errors import RelayError
 
 __all__ = ["RELAY_ROUTES", "Message", "Receive", "Scope", "Send", "header", "send_error",
@@ -19,8 +20,9 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-# The relay routes: served in raw ASGI, each in its dialect (SPEC A1, A6).
-RELAY_ROUTES: dict[str, Dialect] = {"/v1/chat/completions": OPENAI, "/v1/messages": ANTHROPIC}
+# The relay routes: served in raw ASGI, each in its dialect (SPEC A1, A6, A7).
+RELAY_ROUTES: dict[str, Dialect] = {"/v1/chat/completions": OPENAI, "/v1/messages": ANTHROPIC,
+                                    "/v1/responses": RESPONSES}
 
 
 def header(scope: Scope, name: bytes) -> str | None:

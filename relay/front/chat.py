@@ -78,7 +78,8 @@ class Chat:
         record.route = plan.route.name if plan.route else None
         record.provider, record.model = primary.provider.name, primary.model
         call = Call(request_id=record.id, provider=primary.provider.name, model=primary.model,
-                    messages=chat.messages, stream=chat.stream, params=chat.params)
+                    messages=chat.messages, stream=chat.stream, params=chat.params,
+                    responses=chat.responses)
         if len(plan.targets) == 1:
             primary.provider.adapter.check_call(call)  # a plain 400, before anything else
         exchange.include_usage = chat.include_usage

@@ -97,6 +97,7 @@ class Exchange:
         # says whether it is.
         self.recorded = False
         self._final: Callable[[], bool] = lambda: False
+        self.extra_headers: list[tuple[bytes, bytes]] = []  # on the answer, whatever it is
 
     # --- the phase ------------------------------------------------------------------------
     def advance(self, phase: Phase) -> None:
@@ -121,6 +122,9 @@ class Exchange:
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.advance(Phase.HEADERS_SENT)
+            if self.extra_headers:
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  *self.extra_headers]}
         elif not message.get("more_body"):
             self.advance(Phase.ANSWERED)  # from here on, a disconnect is the normal end
             if not self.recorded and self._final():

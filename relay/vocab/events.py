@@ -34,6 +34,10 @@ class Call:
     messages: list[dict[str, Any]]
     stream: bool
     params: dict[str, Any] = attrs.field(factory=dict)
+    # A ``/v1/responses`` request as sent (``previous_response_id`` expanded), for an
+    # adapter that speaks Responses itself (``Capabilities.responses``: passed through);
+    # every other adapter answers ``messages`` and ``params``, its translation (SPEC A7).
+    responses: dict[str, Any] | None = None
 
 
 @attrs.frozen(slots=True)

@@ -111,6 +111,7 @@ class Record:
     released_at: float | None = None
     attempts: list[Attempt] = attrs.field(factory=list)
     skipped_events: list[str] = attrs.field(factory=list)
+    ignored_fields: list[str] = attrs.field(factory=list)  # advisory fields dropped (A1a)
 
     def as_json(self, clock: Clock) -> dict[str, Any]:
         out = attrs.asdict(self, recurse=False)

@@ -1,0 +1,176 @@
+"""What each front costs: chat completions, Messages and Responses, side by side, against
+the same fake OpenAI-compatible upstream, in one run.
+
+    python -m bench.dialects [--requests N] [--seconds S] [--concurrency C] [--json FILE]
+
+The processes and the client are `bench.overhead`'s (the fake upstream in a process of
+its own, ``relay serve`` as users start it, raw keep-alive HTTP/1.1 from this process).
+For each front — and for the upstream called directly, the baseline — it measures:
+
+1. latency at concurrency 1: N sequential plain requests, p50/p99, and what relay adds
+   over the direct call;
+2. throughput at concurrency C for S seconds: plain requests/s, and streamed answers/s
+   (200 chunks each), with relay's CPU per request.
+
+Every front translates into relay's one internal request and back, so the difference
+between them is the dialect's parse and render; the Responses and Messages fronts'
+bodies are the same question as the chat one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.overhead import (
+    PY,
+    Child,
+    CPUWindow,
+    HTTPConnection,
+    http_request,
+    pct,
+    start_relay,
+    start_upstream,
+    write_config,
+)
+
+# front → (path, body for a model, the bytes that end a complete stream)
+FRONTS: dict[str, tuple[str, Any, bytes]] = {
+    "chat": ("/v1/chat/completions", lambda model, stream: {
+        "model": model, "stream": stream,
+        "messages": [{"role": "user", "content": "hello"}]}, b"data: [DONE]\n\n"),
+    "messages": ("/v1/messages", lambda model, stream: {
+        "model": model, "stream": stream, "max_tokens": 1000,
+        "messages": [{"role": "user", "content": "hello"}]}, b"message_stop"),
+    "responses": ("/v1/responses", lambda model, stream: {
+        "model": model, "stream": stream, "input": "hello", "store": False},
+        b"response.completed"),
+}
+
+
+def raw(hostport: str, front: str, model: str, stream: bool) -> bytes:
+    path, body, _ = FRONTS[front]
+    return http_request("POST", hostport, path,
+                        json.dumps(body(model, stream), separators=(",", ":")).encode())
+
+
+async def latency(host: str, port: int, request: bytes, warmup: int, n: int) -> list[float]:
+    conn = await HTTPConnection.open(host, port)
+    times = []
+    try:
+        for i in range(warmup + n):
+            t = time.perf_counter()
+            status, body = await conn.request(request)
+            if status != 200:
+                raise RuntimeError(f"answered {status}: {body[:300]!r}")
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
+    finally:
+        await conn.aclose()
+    return times
+
+
+async def load(host: str, port: int, request: bytes, end: bytes | None, concurrency: int,
+               seconds: float, cpu: CPUWindow) -> dict[str, Any]:
+    t0 = time.perf_counter() + 0.5  # half a second of warm-up
+    t1 = t0 + seconds
+    done = errors = 0
+
+    async def worker() -> None:
+        nonlocal done, errors
+        conn = await HTTPConnection.open(host, port)
+        try:
+            while time.perf_counter() < t1:
+                status, body = await conn.request(request)
+                if status != 200 or (end is not None and end not in body[-4000:]):
+                    errors += 1
+                elif t0 <= time.perf_counter() <= t1:
+                    done += 1
+        finally:
+            await conn.aclose()
+
+    async def window() -> None:
+        await trio.sleep(t0 - time.perf_counter())
+        cpu.start()
+        await trio.sleep(t1 - time.perf_counter())
+        out["cpu_pct"] = cpu.stop()
+
+    out: dict[str, Any] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(window)
+        for _ in range(concurrency):
+            nursery.start_soon(worker)
+    out.update(req_per_s=round(done / seconds, 1), errors=errors)
+    relay_pct = out["cpu_pct"].get("relay")
+    if relay_pct is not None and done:
+        out["relay_cpu_us_per_req"] = round(1e6 * relay_pct / 100 * seconds / done)
+    return out
+
+
+async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    children: list[Child] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            upstream, up_port, _ = await start_upstream(nursery, tmp)
+            children.append(upstream)
+            config = write_config(tmp, up_port)
+            relay = await start_relay(nursery, [PY, "-m", "relay", "serve", "--config",
+                                                str(config), "--port", "0"],
+                                      "relay serve", None)
+            children.append(relay)
+            assert relay.url is not None
+            host, _, port_text = relay.url.removeprefix("http://").rpartition(":")
+            port = int(port_text)
+            pids = {"relay": relay.pid, "upstream": upstream.pid}
+            targets = {"direct": ("127.0.0.1", up_port, "", "chat")}
+            targets.update({f: (host, port, "up/", f) for f in FRONTS})
+            for name, (h, p, prefix, front) in targets.items():
+                hp = f"{h}:{p}"
+                times = await latency(h, p, raw(hp, front, prefix + "fast", False), 30,
+                                      args.requests)
+                plain = await load(h, p, raw(hp, front, prefix + "fast", False), None,
+                                   args.concurrency, args.seconds, CPUWindow(pids))
+                streamed = await load(h, p, raw(hp, front, prefix + "sse200", True),
+                                      FRONTS[front][2], args.concurrency, args.seconds,
+                                      CPUWindow(pids))
+                results[name] = {"p50_ms": round(pct(times, 0.5), 3),
+                                 "p99_ms": round(pct(times, 0.99), 3),
+                                 "plain": plain, "streamed": streamed}
+                print(f"{name:>10}: p50 {results[name]['p50_ms']:.2f} ms, p99 "
+                      f"{results[name]['p99_ms']:.2f} ms; plain {plain['req_per_s']} req/s;"
+                      f" streamed {streamed['req_per_s']} answers/s", file=sys.stderr)
+            base = results["direct"]["p50_ms"]
+            for front in FRONTS:
+                results[front]["added_p50_ms"] = round(results[front]["p50_ms"] - base, 3)
+            nursery.cancel_scope.cancel()
+    finally:
+        for child in children:
+            await child.stop()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        results = trio.run(run, args, Path(tmp))
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

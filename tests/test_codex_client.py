@@ -1,0 +1,258 @@
+"""The real Codex CLI (``codex exec``, pinned @openai/codex 0.171.0, installed by
+`.ci/install-clis.sh`) as a *client* of relay, over ``/v1/responses`` (SPEC A7).
+
+Codex, relay (``relay serve``, this tree) and the fake upstreams (tests/agent_fakes.py)
+all run inside a network namespace that has only loopback, so nothing can reach the
+network. Codex gets a custom model provider pointed at relay and only the switches the
+issue allows (``--skip-git-repo-check``, ``-c analytics.enabled=false``, a sandbox mode);
+it must answer, streamed, with one tool round trip — a shell call that reads a file only
+the throwaway work folder holds — through each kind of provider:
+
+(a) an OpenAI-compatible provider that speaks only chat completions (the translation),
+(b) the anthropic adapter,
+(c) an OpenAI-compatible provider that speaks Responses itself (``responses = true``:
+    the pass-through).
+
+A test skips, saying why, when ``codex``, ``ip netns`` or root is missing (CI makes skips
+failures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent
+PINNED = "@openai/codex 0.171.0"
+LISTENING = re.compile(r"relay listening on (http://\S+:\d+) ")
+KEY = "sk-ant-test"  # tests/fake_anthropic.py's
+
+
+def _why_not() -> str | None:
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        return "needs root on Linux (a network namespace with only loopback)"
+    if shutil.which("ip") is None:
+        return "needs `ip` (iproute2) for `ip netns`; .ci/install-clis.sh installs it"
+    if shutil.which("codex") is None:
+        return f"`codex` is not installed (npm install -g {PINNED.replace(' ', '@')}; " \
+            ".ci/install-clis.sh does it)"
+    return None
+
+
+class Stage:
+    """The namespace, with the fake upstreams and ``relay serve`` running inside it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.name = f"relaycodex-{os.getpid()}"
+        self.log = root / "upstream-requests.jsonl"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.url = ""
+        self.work = root
+
+    def run_in(self, argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(["ip", "netns", "exec", self.name, *argv],
+                                stdin=subprocess.DEVNULL, start_new_session=True, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def start(self) -> None:
+        subprocess.run(["ip", "netns", "add", self.name], check=True, capture_output=True)
+        subprocess.run(["ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up"],
+                       check=True, capture_output=True)
+        ports_file = self.root / "ports.json"
+        fakes = self.run_in([sys.executable, str(HERE / "agent_fakes.py"), "--ports",
+                             str(ports_file), "--log", str(self.log)])
+        ports = json.loads(_wait_file(ports_file, fakes))
+        (self.root / "relay.toml").write_text(f"""
+[server]
+records = "records.jsonl"
+[providers.up]
+adapter = "openai"
+base_url = "http://127.0.0.1:{ports['chat']}/v1"
+models = ["agent"]
+[providers.up.profile]
+lanes = 2
+queue_max = 8
+queue_timeout_s = 30
+run_timeout_s = 60
+[providers.ant]
+adapter = "anthropic"
+base_url = "http://127.0.0.1:{ports['anthropic']}/v1"
+api_key_env = "FAKE_ANTHROPIC_KEY"
+models = ["claude-agent"]
+[providers.oa]
+adapter = "openai"
+base_url = "http://127.0.0.1:{ports['responses']}/v1"
+responses = true
+models = ["gpt-agent"]
+[providers.oa.profile]
+lanes = 2
+queue_max = 8
+queue_timeout_s = 30
+run_timeout_s = 60
+""")
+        env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+        env.update(PYTHONPATH=str(ROOT), XDG_STATE_HOME=str(self.root / "state"),
+                   FAKE_ANTHROPIC_KEY=KEY)
+        with (self.root / "relay.err").open("wb") as err:  # the child has its own copy
+            relay = self.run_in([sys.executable, "-m", "relay", "serve", "--config",
+                                 str(self.root / "relay.toml"), "--port", "0"],
+                                cwd=self.root, env=env, stdout=subprocess.DEVNULL,
+                                stderr=err)
+        text = _wait_file(self.root / "relay.err", relay, LISTENING)
+        match = LISTENING.search(text)
+        assert match is not None
+        self.url = match[1]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        subprocess.run(["ip", "netns", "delete", self.name], capture_output=True)
+
+    def requests(self) -> list[dict[str, Any]]:
+        if not self.log.exists():
+            return []
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line]
+
+    def records(self) -> list[dict[str, Any]]:
+        path = self.root / "records.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def _wait_file(path: Path, proc: subprocess.Popen[bytes],
+               pattern: re.Pattern[str] | None = None) -> str:
+    """The file's text once it exists (and matches ``pattern``): bounded, 20 s."""
+    for _ in range(2000):
+        if path.exists():
+            text = path.read_text(errors="replace")
+            if pattern is None or pattern.search(text):
+                return text
+        try:
+            proc.wait(timeout=0.01)
+            raise RuntimeError(f"{proc.args} exited at start: "
+                               f"{path.read_text() if path.exists() else ''}")
+        except subprocess.TimeoutExpired:
+            continue
+    raise RuntimeError(f"{proc.args} did not start")
+
+
+@pytest.fixture(scope="module")
+def stage() -> Iterator[Stage]:
+    why = _why_not()
+    if why:
+        pytest.skip(why)
+    root = Path(tempfile.mkdtemp(prefix="relay-codex-"))
+    st = Stage(root)
+    try:
+        st.start()
+    except (subprocess.CalledProcessError, RuntimeError, OSError) as exc:
+        st.stop()
+        shutil.rmtree(root, ignore_errors=True)
+        pytest.skip(f"cannot stage relay and codex in a loopback-only namespace: {exc}")
+    yield st
+    st.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def run_codex(stage: Stage, model: str, prompt: str, *, check: bool = True,
+              provider_extra: str = "") -> list[dict[str, Any]]:
+    """``codex exec --json`` in a throwaway work folder: its events."""
+    home = Path(tempfile.mkdtemp(prefix="home-", dir=stage.root))
+    codex_home = home / ".codex"
+    codex_home.mkdir()
+    (codex_home / "config.toml").write_text(f"""\
+model = "{model}"
+model_provider = "relay"
+[model_providers.relay]
+name = "relay"
+base_url = "{stage.url}/v1"
+env_key = "RELAY_TEST_KEY"
+wire_api = "responses"
+supports_websockets = false
+{provider_extra}""")
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
+           "CODEX_HOME": str(codex_home), "TMPDIR": str(home), "RELAY_TEST_KEY": "sk-x"}
+    done = subprocess.run(
+        ["ip", "netns", "exec", stage.name, "codex", "exec", "--skip-git-repo-check",
+         "-c", "analytics.enabled=false", "--sandbox", "read-only", "--json",
+         prompt], cwd=stage.work, env=env, stdin=subprocess.DEVNULL,
+        capture_output=True, timeout=120, check=False)
+    events = [json.loads(line) for line in done.stdout.decode().splitlines()
+              if line.startswith("{")]
+    assert done.returncode == 0 or not check, (done.returncode, done.stdout.decode()[-3000:],
+                                  done.stderr.decode()[-3000:])
+    return events
+
+
+@pytest.mark.parametrize(("model", "fake"), [
+    ("up/agent", "chat"), ("ant/claude-agent", "anthropic"), ("oa/gpt-agent", "responses")])
+def test_codex_exec_answers_with_a_shell_round_trip(stage: Stage, tmp_path: Path,
+                                                    model: str, fake: str) -> None:
+    stage.work = tmp_path / "work"
+    stage.work.mkdir()
+    marker = f"MARKER-{secrets.token_hex(4)}"
+    (stage.work / "relay-marker.txt").write_text(marker + "\n")
+    before = len(stage.requests())
+    events = run_codex(stage, model,
+                       'RELAY-CALL exec_command {"cmd": "cat relay-marker.txt"}')
+    messages = [e["item"]["text"] for e in events if e.get("type") == "item.completed"
+                and e["item"].get("type") == "agent_message"]
+    assert messages and messages[-1].startswith("RELAY-DONE"), events
+    assert marker in messages[-1]  # only the shell in the work folder could read it
+    ran = [e["item"] for e in events if e.get("type") == "item.completed"
+           and e["item"].get("type") == "command_execution"]
+    assert ran and "relay-marker.txt" in ran[0]["command"]
+    sent = [r for r in stage.requests()[before:] if r["fake"] == fake]
+    assert len(sent) == 2, [r["path"] for r in stage.requests()[before:]]
+    assert marker in json.dumps(sent[1]["body"])  # the tool output went back upstream
+    assert all(r["body"].get("stream") is True for r in sent)  # streamed all the way
+    if fake == "responses":  # passed through: Codex's own request, whole
+        assert sent[0]["path"] == "/v1/responses"
+        assert any(t.get("type") == "web_search" for t in sent[0]["body"]["tools"])
+        assert "previous_response_id" not in sent[1]["body"]
+    recs = [r for r in stage.records() if r["provider"] == model.split("/")[0]][-2:]
+    assert [r["status"] for r in recs] == [200, 200] and all(r["stream"] for r in recs)
+    if fake != "responses":
+        assert "tools.web_search" in recs[0]["ignored_fields"]
+
+
+@pytest.mark.parametrize("model", ["up/agent", "oa/gpt-agent"])
+def test_codex_gets_relays_verdict_on_a_failure(stage: Stage, tmp_path: Path,
+                                                model: str) -> None:
+    """An upstream 500 that relay has already answered for: a 502 ``upstream_error``
+    with ``x-should-retry: false`` and relay's words, which Codex shows.
+
+    Codex 0.171 does not read ``x-should-retry``: with its defaults it resends the
+    request (``request_max_retries`` 4, then ``stream_max_retries`` 5 reconnects: 30
+    requests, measured). Its own provider settings turn that off, as they do for any
+    provider that retries for it; with them, relay sees the request exactly once.
+    """
+    stage.work = tmp_path
+    before = len(stage.records())
+    events = run_codex(stage, model, "Say hi. RELAY-FAIL500", check=False,
+                       provider_extra="request_max_retries = 0\nstream_max_retries = 0\n")
+    failed = [e for e in events if e.get("type") == "turn.failed"]
+    assert failed, events
+    assert "upstream_error" in failed[-1]["error"]["message"] or \
+        "502" in failed[-1]["error"]["message"], failed
+    recs = stage.records()[before:]
+    assert [(r["status"], r["reason"]) for r in recs] == [(502, "upstream_error")], recs
