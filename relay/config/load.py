@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -32,7 +32,13 @@ from relay.vocab.profile import (
 )
 
 from .schema import COMMON_PROVIDER_KEYS, Config, RouteConfig, ServerConfig, _ProfileTable
-from .structure import structure_table, validation_problems
+from .structure import (
+    did_you_mean,
+    structure_table,
+    toml_problem,
+    unknown_key,
+    validation_problems,
+)
 
 if TYPE_CHECKING:
     from relay.api.adapter import Adapter
@@ -82,9 +88,16 @@ def load_config(path: str | os.PathLike[str] | None, adapters: Registry, *,
     file = Path(path) if path is not None else default_config_path()
     packaged = file.resolve() == PACKAGED_DEFAULT.resolve()
     try:
-        text = file.read_text(encoding="utf-8")
+        data = file.read_bytes()
     except OSError as exc:
         raise ConfigError([f"{file}: cannot read: {exc.strerror or exc}"]) from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ConfigError([f"{file}: line {line}, column {column}: not UTF-8 text (byte "
+                           f"0x{data[exc.start]:02x}); save the file as UTF-8"]) from exc
     return parse_config(text, adapters, source=str(file), base_dir=file.parent,
                         packaged=packaged, server_overrides=server_overrides)
 
@@ -99,7 +112,7 @@ def parse_config(
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([f"{source}: not valid TOML: {exc}"]) from exc
+        raise ConfigError([toml_problem(source, text, exc)]) from exc
 
     problems: list[str] = []
     warnings: list[str] = []
@@ -109,8 +122,9 @@ def parse_config(
         data["server"] = {**data.get("server", {}), **server_overrides}
     for key in data:
         if key not in ("server", "providers", "routes"):
-            problems.append(f"[{key}]: unknown table (expected [server], [providers.NAME] "
-                            "or [routes.NAME])")
+            problems.append(f"[{key}]: unknown table"
+                            f"{did_you_mean(key, ('server', 'providers', 'routes'))}; "
+                            "expected [server], [providers.NAME] or [routes.NAME]")
 
     server = structure_table(data.get("server", {}), ServerConfig, "server", problems)
     if server is not None:
@@ -168,14 +182,19 @@ def _secret_env(tables: list[Any]) -> frozenset[str]:
     return frozenset(names)
 
 
-def check_target(target: str, providers: Mapping[str, ProviderConfig]) -> str | None:
-    """What is wrong with a ``provider/model`` target, or None."""
+def check_target(target: str, providers: Mapping[str, ProviderConfig], *,
+                 defined: Sequence[str] | None = None) -> str | None:
+    """What is wrong with a ``provider/model`` target, or None. ``defined``: every
+    provider name the file defines (some may have problems of their own, so they are not
+    in ``providers``), for the list of known names."""
     provider, slash, model = target.partition("/")
     if not slash or not model:
         return f"{target!r} must be PROVIDER/MODEL"
     pconf = providers.get(provider)
     if pconf is None:
-        return f"{target!r} names no provider (known: {', '.join(providers) or 'none'})"
+        names = list(defined if defined is not None else providers)
+        return (f"{target!r} names no provider{did_you_mean(provider, names)} (providers "
+                f"defined: {', '.join(names) or 'none'})")
     if pconf.models_configured and model.partition("?")[0] not in pconf.models:
         return (f"{target!r}: provider {provider!r} lists only "
                 f"{', '.join(pconf.models)}")
@@ -191,7 +210,7 @@ def _load_route(name: str, table: Any, providers: Mapping[str, ProviderConfig],
     if name in raw_providers:
         problems.append(f"[{where}]: the name is also a provider's; choose another")
         return None
-    route = structure_table(table, RouteConfig, where, problems)
+    route = structure_table(table, RouteConfig, where, problems, hidden=("name",))
     if route is None:
         return None
     ok = True
@@ -201,7 +220,7 @@ def _load_route(name: str, table: Any, providers: Mapping[str, ProviderConfig],
                 raw_providers:
             ok = False  # that provider's own table already has a problem
             continue
-        problem = check_target(target, providers)
+        problem = check_target(target, providers, defined=list(raw_providers))
         if problem is not None:
             problems.append(f"[{where}] {key}: {problem}")
             ok = False
@@ -241,19 +260,30 @@ def _load_provider(
         problems.append(f"[{where}]: must be a table")
         return None
     kind = table.get("adapter")
-    if kind is None:
-        problems.append(f"[{where}] adapter: missing; one of: {', '.join(sorted(registry))}")
-        return None
     adapter = registry.get(kind) if isinstance(kind, str) else None
     if adapter is None:
-        problems.append(f"[{where}] adapter: unknown adapter kind {kind!r}; "
-                        f"known kinds: {', '.join(sorted(registry))}")
+        # Without a kind, which keys are valid is not known: name the ones no kind takes.
+        kinds = ", ".join(sorted(registry))
+        settings_keys = sorted({f.name for a in registry.values()
+                                for f in attrs.fields(a.Settings)})
+        for key in table:
+            if key not in COMMON_PROVIDER_KEYS and key not in settings_keys:
+                problems.append(unknown_key(where, key, [*COMMON_PROVIDER_KEYS, *settings_keys],
+                                            more=" (which of the last ones apply depends on "
+                                            "the adapter)"))
+        if kind is None:
+            problems.append(f"[{where}] adapter: missing; one of: {kinds}")
+        else:
+            problems.append(f"[{where}] adapter: unknown adapter kind {kind!r}"
+                            f"{did_you_mean(str(kind), sorted(registry))}; known kinds: {kinds}")
         return None
+    assert isinstance(kind, str)   # the registry's keys are names
 
     before = len(problems)
     common = {k: table[k] for k in COMMON_PROVIDER_KEYS if k in table}
     rest = {k: val for k, val in table.items() if k not in COMMON_PROVIDER_KEYS}
-    settings = structure_table(rest, adapter.Settings, where, problems)
+    settings = structure_table(rest, adapter.Settings, where, problems,
+                              also_valid=COMMON_PROVIDER_KEYS)
     if settings is not None:
         for key, message in adapter.settings_problems(settings):
             problems.append(f"[{where}] {key}: {message}")
