@@ -131,7 +131,8 @@ class Dispatcher:
                     return self._final(RelayError(
                         "budget_exhausted", f"route {route.name if route else ''!r} used "
                         f"its whole budget of {budget:g} s before {target.name} could be "
-                        "tried", provider=target.provider.name), original)
+                        "tried", provider=target.provider.name,
+                        action=self.plan.timeout_action("budget_exhausted", target)), original)
                 # The writer hears of the attempt first; only then is it counted (the
                 # record, the log): a request stopped before it began shows no attempt.
                 await out.send(AttemptStarted(target.name, continues=sent.any))
@@ -309,7 +310,8 @@ class Dispatcher:
         else:
             said = (f"{name} stalled: no token for {route.stall_timeout_s:g} s" if route
                     else "")
-        return RelayError(reason, f"{said.rstrip()}; it was stopped", provider=provider)
+        return RelayError(reason, f"{said.rstrip()}; it was stopped", provider=provider,
+                          action=self.plan.timeout_action(reason, run.target))
 
     async def _run_attempt(self, run: Run) -> None:
         """One attempt's task: lane slot, run-timeout scope, adapter. Its outcome is
