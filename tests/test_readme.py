@@ -128,6 +128,7 @@ def test_a_fresh_clone_runs_the_readme_as_written(tmp_path: Path) -> None:
     *install, serve = first.split(" && ")
     assert serve == ".venv/bin/relay serve", first
     runnable = [b for b in blocks if b["runnable"]]
+    assert len(runnable) >= 8, "the README marks too few examples runnable"
 
     clone = tmp_path / "relay"
     subprocess.run([git, "clone", "-q", str(ROOT), str(clone)], check=True, timeout=60)
