@@ -296,6 +296,8 @@ def _connect_error(cause: BaseException) -> httpx.ConnectError:
 @pytest.mark.parametrize(("exc", "said", "does"), [
     (_connect_error(socket.gaierror(-2, "Name or service not known")),
      "the host name api.example.test could not be resolved", "DNS"),
+    (_connect_error(ConnectionRefusedError(111, "Connection refused")),
+     "nothing listens on api.example.test:8443", "nothing between this machine and it"),
     (_connect_error(OSError(113, "No route to host")),
      "no connection to api.example.test:8443 could be made", "firewall"),
     (httpx.ConnectTimeout("timed out", request=httpx.Request("GET", "http://10.9.9.9:80/")),

@@ -199,8 +199,13 @@ def _connect_failure(provider: str, exc: httpx.ConnectError,
     if any(isinstance(c, ConnectionRefusedError) for c in os_errors) and all(
             isinstance(c, ConnectionRefusedError) or c.errno in _NO_SUCH_ADDRESS
             for c in os_errors):
-        action = unreachable or (f"start the provider's server at {where}, or fix base_url "
-                                 f"in [providers.{provider}]")
+        host = where.rpartition(":")[0].strip("[]")
+        local = host in ("localhost", "::1") or host.startswith("127.")
+        action = unreachable or (
+            f"start the provider's server at {where}, or fix base_url in "
+            f"[providers.{provider}]" if local else
+            f"check that the server at {where} is up and that nothing between this machine "
+            f"and it refuses the connection, or fix base_url in [providers.{provider}]")
         return f"nothing listens on {where} — {action}", action
     if any(isinstance(c, socket.gaierror) for c in leaves):
         host = where.rpartition(":")[0] or where

@@ -29,8 +29,7 @@ import trio
 from relay.adapters import ADAPTERS
 from relay.adapters._process import become_subreaper
 from relay.api.http import get_json, post_json
-from relay.config import PACKAGED_DEFAULT as PACKAGED
-from relay.config import Config, default_config_path, load_config
+from relay.config import PACKAGED_DEFAULT, Config, default_config_path, load_config
 from relay.vocab.errors import ConfigError
 
 from . import service
@@ -260,7 +259,8 @@ def daemon_url(url: str | None, config: str | None) -> _Daemon:
     elif os.environ.get("RELAY_URL"):
         found = _Daemon(os.environ["RELAY_URL"], "RELAY_URL", token)
     elif host_port is not None:
-        what = "the packaged default config" if path.resolve() == PACKAGED.resolve() else path
+        packaged = path.resolve() == PACKAGED_DEFAULT.resolve()
+        what = "the packaged default config" if packaged else path
         found = _Daemon(f"http://{host_port}", f"[server] host and port of {what}", token)
     else:
         found = _Daemon(DEFAULT_URL, f"relay's default{note}", token)
