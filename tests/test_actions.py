@@ -337,3 +337,13 @@ def test_the_list_is_every_capacity_timeout_auth_unreachable_and_unknown_model_r
         action = RelayError(reason, "said", provider="p").action
         assert action and "{" not in action, (reason, action)
         assert "connection" not in action or REASONS[reason].phase != "capacity"
+
+
+async def test_a_provider_removed_by_a_reload_says_to_use_another(relay_: Relay) -> None:
+    # The plan was made before the reload; the attempt finds its adapter closed.
+    handle = relay_.providers["one"].handle
+    handle.retire()
+    with pytest.raises(RelayError) as info, handle.use():
+        pass
+    assert_fits(info.value.body()["error"], "unknown_model",
+                says="a provider that is still configured")
