@@ -372,4 +372,7 @@ class CLIAdapter(Adapter):
         how = f"exited with status {rc}" if rc is not None else "closed its output"
         return tool_error("upstream_unavailable", self.name,
                           f"{self.tool} {how} before its final event{said}"
-                          + (f": {words}" if words else ""), words)
+                          + (f": {words}" if words else ""), words,
+                          action=f"retry (relay starts a fresh {self.tool} process); if it "
+                          f"keeps failing, run `{self.command}` in a terminal and see what "
+                          "it says")

@@ -88,6 +88,11 @@ class HTTPAdapter(Adapter):
         env = cls.key_env_for(settings)
         return [env] if env else []
 
+    def unreachable_action(self) -> str | None:
+        """What to do when nothing listens at the provider's address (None: start the
+        server or fix ``base_url``); a kind that knows its server says how to start it."""
+        return None
+
     @property
     def max_upstream_bytes(self) -> int:
         return self.provider.max_upstream_bytes
@@ -104,7 +109,7 @@ class HTTPAdapter(Adapter):
         ``read_whole`` (its text, at most ``max_upstream_bytes``). Inside ``async with
         client.stream``, so a stop closes the upstream connection; an error status becomes
         its relay error."""
-        with transport_errors(self.name):
+        with transport_errors(self.name, unreachable=self.unreachable_action()):
             async with self._client.stream("POST", url, json=body,
                                            headers=self.headers) as resp:
                 if resp.status_code != 200:
@@ -122,7 +127,7 @@ class HTTPAdapter(Adapter):
             RelayError: the mapped upstream failure, or ``bad_upstream_response``.
         """
         self.refuse_without_key()
-        with transport_errors(self.name, what):
+        with transport_errors(self.name, what, unreachable=self.unreachable_action()):
             async with self._client.stream("GET", url, headers=self.headers) as resp:
                 if resp.status_code != 200:
                     raise await self.failed(resp)

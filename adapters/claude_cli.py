@@ -62,6 +62,8 @@ QUOTA_PHRASES = ("usage limit reached", "hit your limit", "reached your usage li
 QUOTA_ERROR_TYPES = ("grace_daily_limit_reached",)
 CLEAR_S = 5.0   # a warm process must confirm /clear within this, or it is replaced
 LOGIN_ACTION = "run `claude login` (or set ANTHROPIC_API_KEY), then retry"
+NETWORK_ACTION = ("check this machine's network connection (claude reaches its API itself, "
+                  "with its own proxy settings), then retry")
 QUOTA_WORDS = ("quota", "usage limit", "billing", "credit balance", "hit your limit",
                "limit reached")
 
@@ -144,7 +146,7 @@ def _marked_failure(provider: str, text: str, result: dict[str, Any],
                           words, status=status)
     if "connection" in plain or "fetch failed" in plain or "econnrefused" in plain:
         return tool_error("upstream_unavailable", provider, f"claude could not reach its API: "
-                          f"{words}", words, status=status)
+                          f"{words}", words, status=status, action=NETWORK_ACTION)
     return tool_error("upstream_error", provider, f"claude reported an error "
                       f"({result.get('subtype')}, {result.get('terminal_reason')}): {words}",
                       words, status=status)

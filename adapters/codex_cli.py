@@ -105,7 +105,8 @@ def codex_failure(provider: str, message: str, info: Any = None) -> RelayError:
                                                  "error sending request",
                                                  "stream disconnected")):
         return tool_error("upstream_unavailable", provider, f"codex could not reach its API: "
-                          f"{message}", message)
+                          f"{message}", message, action="check this machine's network "
+                          "connection (codex reaches its API itself), then retry")
     return tool_error("upstream_error", provider, f"codex reported an error: {message}",
                       message, status=status)
 

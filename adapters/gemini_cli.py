@@ -107,7 +107,8 @@ def gemini_failure(provider: str, message: str, *, rc: int | None = None,
                           f"{message}", message, status=status)
     if status is None and ("fetch failed" in low or "econnrefused" in low):
         return tool_error("upstream_unavailable", provider, f"gemini could not reach its "
-                          f"API: {message}", message)
+                          f"API: {message}", message, action="check this machine's network "
+                          "connection (gemini reaches its API itself), then retry")
     what = EXIT_CODES.get(rc or 0)
     return tool_error("upstream_error", provider, f"gemini failed"
                       f"{f' ({what})' if what else ''}: {message}", message, status=status)

@@ -48,16 +48,20 @@ class Preset:
     api_key_env: str | None = None
     max_call_s: float = 120.0  # run_timeout_s may not be set below this
     typical_call_s: float = 10.0
+    server: str | None = None  # a local server: what to start when nothing listens
 
 
 _LOCAL_ONE = Profile(lanes=1, queue_max=16, queue_timeout_s=300.0, run_timeout_s=180.0)
 PRESETS: dict[str, Preset] = {
     # Local servers answer one request at a time on one GPU; calls can take minutes.
-    "lmstudio": Preset("http://127.0.0.1:1234/v1", _LOCAL_ONE, typical_call_s=20.0),
+    "lmstudio": Preset("http://127.0.0.1:1234/v1", _LOCAL_ONE, typical_call_s=20.0,
+                       server="LM Studio's server"),
     "ollama": Preset("http://127.0.0.1:11434/v1",
-                     attrs.evolve(_LOCAL_ONE, run_timeout_s=300.0), typical_call_s=20.0),
+                     attrs.evolve(_LOCAL_ONE, run_timeout_s=300.0), typical_call_s=20.0,
+                     server="Ollama (`ollama serve`)"),
     "vllm": Preset("http://127.0.0.1:8000/v1",
-                   Profile(lanes=8, queue_max=64, queue_timeout_s=120.0, run_timeout_s=300.0)),
+                   Profile(lanes=8, queue_max=64, queue_timeout_s=120.0, run_timeout_s=300.0),
+                   server="the vLLM server (`vllm serve MODEL`)"),
     # Clouds take many requests at once but meter them.
     "openai": Preset("https://api.openai.com/v1",
                      Profile(lanes=8, queue_max=64, queue_timeout_s=60.0, run_timeout_s=600.0,
@@ -109,6 +113,14 @@ class OpenAIAdapter(HTTPAdapter):
     @classmethod
     def _preset(cls, settings: Any) -> Preset | None:
         return PRESETS.get(settings.preset or "")
+
+    def unreachable_action(self) -> str | None:
+        """A local server's preset says what to start (issue 15: the packaged default's
+        LM Studio and Ollama entries, which most first runs have neither of)."""
+        preset = self._preset(self.settings)
+        if preset is None or preset.server is None:
+            return None
+        return f"start {preset.server}, or remove [providers.{self.name}] from the config"
 
     @classmethod
     def recommended_profile(cls, settings: Any) -> Profile | None:

@@ -183,16 +183,54 @@ async def asgi_request(app: Any, path: str, body: Any, result: ASGIResult, *,
         result.done.set()
 
 
-# --- CI: skips are failures --------------------------------------------------------------
+# --- skips: their reasons shown, and failures in CI ---------------------------------------
+
+def _trio_skip(call: Any) -> BaseException | None:
+    """The skip a trio test raised, when pytest-trio re-raised it without its reason.
+
+    pytest-trio 0.8 runs the test inside ``trio.run``, finds the `Skipped` in the
+    exception group trio wraps it in, and calls ``pytest.skip()`` with no message, so the
+    summary read ``SKIPPED [20] …/_pytest/python.py:187: Skipped``. The original is that
+    bare skip's ``__context__`` (the group): its one leaf carries the reason and the line.
+    """
+    excinfo = call.excinfo
+    if excinfo is None or not isinstance(excinfo.value, pytest.skip.Exception):
+        return None
+    group = excinfo.value.__context__
+    leaves: list[BaseException] = []
+    todo = [group] if isinstance(group, BaseExceptionGroup) else []
+    while todo:
+        exc = todo.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            todo += exc.exceptions
+        else:
+            leaves.append(exc)
+    if len(leaves) == 1 and isinstance(leaves[0], pytest.skip.Exception):
+        return leaves[0]
+    return None
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Any:
-    """With RELAY_STRICT_SKIPS=1 (set by .ci/run) a skipped test fails: CI installs every
-    outside tool a test needs, so a skip there means something is missing."""
+    """Every skip shows its own reason and line in the summary (`_trio_skip`); with
+    RELAY_STRICT_SKIPS=1 (set by .ci/run) a skipped test fails: CI installs every outside
+    tool a test needs, so a skip there means something is missing."""
     import os
 
     outcome = yield
     report = outcome.get_result()
+    original = _trio_skip(call) if report.skipped else None
+    if original is not None and isinstance(report.longrepr, tuple):
+        path, line, _ = report.longrepr
+        # Where the test (or its fixture) called pytest.skip: the innermost frame that
+        # pytest would show, i.e. not one that hides itself from tracebacks.
+        info = pytest.ExceptionInfo.from_exception(original)
+        frames = [entry for entry in info.traceback
+                  if not entry.frame.f_locals.get("__tracebackhide__")
+                  and not entry.frame.f_globals.get("__tracebackhide__")]
+        if frames:
+            path, line = str(frames[-1].path), frames[-1].lineno + 1
+        report.longrepr = (path, line, f"Skipped: {original.msg}")
     if report.skipped and os.environ.get("RELAY_STRICT_SKIPS") == "1" and not hasattr(
             report, "wasxfail"):
         report.outcome = "failed"

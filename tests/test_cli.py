@@ -23,6 +23,7 @@ import pytest
 import trio
 from conftest import chat, records, wait_for
 
+ROOT = Path(__file__).resolve().parents[1]
 RELAY = [sys.executable, "-m", "relay"]
 LISTENING = re.compile(rb"relay listening on (http://\S+:\d+) ")
 FAKE_CONFIG = """
@@ -38,6 +39,7 @@ models = ["echo"]
 def child_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    env["PYTHONPATH"] = str(ROOT)   # this tree's relay, whatever the venv has installed
     for var in ("RELAY_URL", "RELAY_TOKEN", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY",
                 "http_proxy", "https_proxy", "all_proxy"):
         env.pop(var, None)

@@ -20,7 +20,10 @@ body and says how much it read. Only ``gzip`` and ``deflate`` are asked for and 
 
 from __future__ import annotations
 
+import errno
 import json
+import socket
+import ssl
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -77,25 +80,68 @@ def make_client(settings: HTTPSettings, *, max_connections: int = 64) -> httpx.A
 
 
 @contextmanager
-def transport_errors(provider: str, what: str = "request") -> Iterator[None]:
+def transport_errors(provider: str, what: str = "request", *,
+                     unreachable: str | None = None) -> Iterator[None]:
     """Translate every httpx failure to a relay error, chained ``from`` it.
 
     Timeouts and transport failures are ``upstream_unavailable``; a body httpx cannot
     decode is ``bad_upstream_response``. The mapping covers httpx's whole exception tree
     (a test walks it): an unmapped one would surface as a bare 500.
+
+    Each says what to do next (``action``), true to its cause: nothing listening on the
+    address (``unreachable``, the adapter's own advice, or: start the server or fix
+    ``base_url``), a name that does not resolve, a connection that was dropped.
     """
+    # long because it is one exhaustive mapping of httpx's exception tree, most specific
+    # first, where a test can check that nothing falls through.
     try:
         yield
-    except httpx.TimeoutException as exc:
+    except httpx.ConnectError as exc:
+        said, action = _connect_failure(provider, exc, unreachable)
         raise RelayError("upstream_unavailable",
-                         f"provider {provider!r} did not answer the {what} in time "
+                         f"provider {provider!r} could not be reached for the {what}: "
+                         f"{said} ({type(exc).__name__}: {exc})",
+                         provider=provider, action=action) from exc
+    except httpx.TimeoutException as exc:
+        where = _address(exc)
+        if isinstance(exc, httpx.ConnectTimeout):
+            said = f"{where or 'its address'} did not accept a connection in time"
+            action = (f"check that {where or 'the server'} is up and reachable from this "
+                      f"machine (network, VPN, firewall), or fix base_url in "
+                      f"[providers.{provider}]")
+        elif isinstance(exc, httpx.PoolTimeout):
+            said = "every connection relay keeps to it stayed busy"
+            action = ("retry; if it keeps happening, the provider is answering slowly — "
+                      f"lower lanes in [providers.{provider}.profile]")
+        else:
+            said = "it stopped answering"
+            action = (f"retry; if it keeps happening, check the provider's server at "
+                      f"{where or 'its address'} (it may be overloaded or hung)")
+        raise RelayError("upstream_unavailable",
+                         f"provider {provider!r} did not answer the {what} in time: {said} "
                          f"({type(exc).__name__}: {exc or 'timed out'})",
-                         provider=provider) from exc
+                         provider=provider, action=action) from exc
+    except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
+        raise RelayError("upstream_unavailable",
+                         f"provider {provider!r} could not be sent the {what} "
+                         f"({type(exc).__name__}: {exc}); check its base_url",
+                         provider=provider,
+                         action=f"fix base_url in [providers.{provider}] (http://HOST:PORT/"
+                                "PATH or https://…), then reload relay") from exc
+    except httpx.ProxyError as exc:
+        raise RelayError("upstream_unavailable",
+                         f"provider {provider!r} could not be reached through its proxy "
+                         f"for the {what} ({type(exc).__name__}: {exc})",
+                         provider=provider,
+                         action=f"check the proxy set in [providers.{provider}] proxy (is "
+                                "it running, does it allow this host?)") from exc
     except (httpx.TransportError, httpx.StreamError) as exc:
         raise RelayError("upstream_unavailable",
                          f"provider {provider!r} could not be reached or dropped the "
                          f"connection during the {what} ({type(exc).__name__}: {exc})",
-                         provider=provider) from exc
+                         provider=provider,
+                         action="retry; if it keeps happening, check the provider's server "
+                                "(it may have crashed or restarted) and its logs") from exc
     except (httpx.DecodingError, httpx.TooManyRedirects) as exc:
         raise RelayError("bad_upstream_response",
                          f"provider {provider!r} sent a {what} relay cannot read "
@@ -103,14 +149,78 @@ def transport_errors(provider: str, what: str = "request") -> Iterator[None]:
     except httpx.HTTPStatusError as exc:
         raise RelayError("upstream_error", f"provider {provider!r} answered the {what} "
                          f"with an error ({exc})", provider=provider) from exc
-    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+    except httpx.HTTPError as exc:
         raise RelayError("upstream_unavailable",
                          f"provider {provider!r} could not be sent the {what} "
                          f"({type(exc).__name__}: {exc}); check its base_url",
-                         provider=provider) from exc
+                         provider=provider,
+                         action=f"check base_url in [providers.{provider}]") from exc
     except httpx.CookieConflict as exc:
         raise RelayError("internal_error", f"relay mishandled a cookie of provider "
                          f"{provider!r} ({exc})", provider=provider) from exc
+
+
+def _address(exc: httpx.HTTPError) -> str | None:
+    """``host:port`` of the request that failed, if httpx kept it."""
+    try:
+        url = exc.request.url
+    except RuntimeError:  # raised outside a request
+        return None
+    port = url.port or {"http": 80, "https": 443}.get(url.scheme)
+    host = f"[{url.host}]" if ":" in url.host else url.host
+    return f"{host}:{port}" if port else host
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """Every exception behind ``exc``: its causes, and the leaves of exception groups."""
+    out: list[BaseException] = []
+    todo = [exc.__cause__ or exc.__context__]
+    while todo:
+        cause = todo.pop()
+        if cause is None or any(cause is seen for seen in out):
+            continue
+        out.append(cause)
+        if isinstance(cause, BaseExceptionGroup):
+            todo += cause.exceptions
+        todo.append(cause.__cause__ or cause.__context__)
+    return out
+
+
+_NO_SUCH_ADDRESS = frozenset({errno.EADDRNOTAVAIL, errno.ENETUNREACH, errno.EAFNOSUPPORT})
+
+
+def _connect_failure(provider: str, exc: httpx.ConnectError,
+                     unreachable: str | None) -> tuple[str, str]:
+    """What a failed connect means, and what to do about it."""
+    where = _address(exc) or "its address"
+    causes = _causes(exc)
+    leaves = [c for c in causes if not isinstance(c, BaseExceptionGroup)]
+    os_errors = [c for c in leaves if isinstance(c, OSError) and c.errno is not None]
+    # localhost is tried on ::1 and 127.0.0.1; an address family this machine lacks is
+    # no sign that something listens on the other one.
+    if any(isinstance(c, ConnectionRefusedError) for c in os_errors) and all(
+            isinstance(c, ConnectionRefusedError) or c.errno in _NO_SUCH_ADDRESS
+            for c in os_errors):
+        host = where.rpartition(":")[0].strip("[]")
+        local = host in ("localhost", "::1") or host.startswith("127.")
+        action = unreachable or (
+            f"start the provider's server at {where}, or fix base_url in "
+            f"[providers.{provider}]" if local else
+            f"check that the server at {where} is up and that nothing between this machine "
+            f"and it refuses the connection, or fix base_url in [providers.{provider}]")
+        return f"nothing listens on {where} — {action}", action
+    if any(isinstance(c, socket.gaierror) for c in leaves):
+        host = where.rpartition(":")[0] or where
+        return (f"the host name {host} could not be resolved",
+                f"check the host name in base_url in [providers.{provider}], and this "
+                "machine's network and DNS")
+    if any(isinstance(c, ssl.SSLError) for c in leaves):
+        return (f"the TLS handshake with {where} failed",
+                f"check that base_url in [providers.{provider}] uses https:// only for a "
+                "server that speaks TLS, and that its certificate is valid")
+    return (f"no connection to {where} could be made",
+            f"check that {where} is up and reachable from this machine (network, VPN, "
+            f"firewall), or fix base_url in [providers.{provider}]")
 
 
 class _Inflate:

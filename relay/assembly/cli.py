@@ -2,11 +2,15 @@
 
     relay serve [--config FILE] [--host H] [--port N] [--env-file FILE] [--quiet]
     relay config check [--config FILE]
-    relay status [--url URL]
-    relay check [PROVIDER…] [--url URL]
+    relay status [--url URL] [--config FILE]
+    relay check [PROVIDER…] [--url URL] [--config FILE]
     relay service install|uninstall --systemd|--launchd [--config FILE] [--print]
 
-A config error prints every problem (file, table, key, what is wrong) and exits 2.
+A config error prints every problem (file, table, key, what is wrong) and exits 2; so
+does an address ``serve`` cannot listen on (one line: the port, and how to pick another).
+``status`` and ``check`` find the daemon by ``--url``, then ``RELAY_URL``, then the
+config's ``[server]`` host and port (the file ``serve`` would read), then
+127.0.0.1:8765, and say which URL they tried (`daemon_url`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import logging
 import os
 import signal
 import sys
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -23,12 +29,12 @@ import trio
 from relay.adapters import ADAPTERS
 from relay.adapters._process import become_subreaper
 from relay.api.http import get_json, post_json
-from relay.config import Config, load_config
+from relay.config import PACKAGED_DEFAULT, Config, default_config_path, load_config
 from relay.front.guard import ACCESS_LOG
 from relay.vocab.errors import ConfigError
 
 from . import service
-from .server import serve
+from .server import ListenError, serve
 
 __all__ = ["main"]
 
@@ -55,10 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     check = config_sub.add_parser("check", help="validate and print the resolved config")
     check.add_argument("--config")
     status = sub.add_parser("status", help="the lanes of a running daemon")
-    status.add_argument("--url", default=os.environ.get("RELAY_URL", DEFAULT_URL))
     checks = sub.add_parser("check", help="run connection checks on a running daemon")
     checks.add_argument("providers", nargs="*", help="provider names (default: all)")
-    checks.add_argument("--url", default=os.environ.get("RELAY_URL", DEFAULT_URL))
+    for cmd in (status, checks):
+        cmd.add_argument("--url", help="the daemon's URL (default: $RELAY_URL, else the "
+                         "config's [server] host and port, else " + DEFAULT_URL + ")")
+        cmd.add_argument("--config", help="the config whose [server] host and port to use "
+                         "(default: ./profiles.toml if present, else the packaged default)")
     service = sub.add_parser("service", help="run relay as a systemd or launchd service")
     service_sub = service.add_subparsers(dest="service_command", required=True)
     for action in ("install", "uninstall"):
@@ -112,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         # SPEC O5: orphans of the CLI tools' processes come to relay, which ends them
         # with their turn (the daemon only: an embedding program keeps its own tree).
         become_subreaper()
-        trio.run(run_daemon, config)
-        return 0
+        return _run_daemon(config)
     if args.command == "config":
         config = _load(args.config)
         if config is None:
@@ -121,15 +129,34 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_config(config))
         return 0
     if args.command == "status":
-        return _status(args.url)
+        return _status(daemon_url(args.url, args.config))
     if args.command == "service":
         if args.service_command == "install":
             return service.install(args.kind, config_path=args.config,
                                    print_only=args.print_only)
         return service.uninstall(args.kind)
     if args.command == "check":
-        return _check(args.url, args.providers)
+        return _check(daemon_url(args.url, args.config), args.providers)
     return 2  # pragma: no cover - argparse refuses other commands
+
+
+def _run_daemon(config: Config) -> int:
+    """``trio.run(run_daemon)``; an address it cannot listen on is one line and exit 2."""
+    failed: ListenError | None = None
+    try:
+        trio.run(run_daemon, config)
+    except* ListenError as group:
+        failed = next(e for e in _leaves(group) if isinstance(e, ListenError))
+    if failed is not None:
+        print(f"relay: {failed}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
 
 
 async def run_daemon(config: Config) -> None:
@@ -197,10 +224,60 @@ def describe_config(config: Config) -> str:
     return "\n".join(lines)
 
 
-def _check(url: str, names: list[str]) -> int:
+class _Daemon:
+    """Where `daemon_url` found the daemon: its URL, what said so, the token to send."""
+
+    def __init__(self, url: str, source: str, token: str | None) -> None:
+        self.url, self.source, self.token = url.rstrip("/"), source, token
+
+    def unreachable(self, exc: OSError) -> str:
+        return (f"relay: {exc}\n  (the URL came from {self.source}.) Is `relay serve` "
+                "running there? Point to the daemon with --url URL or RELAY_URL=URL.")
+
+
+def daemon_url(url: str | None, config: str | None) -> _Daemon:
+    """The daemon to ask (SPEC 9): ``--url``, then ``RELAY_URL``, then the config's
+    ``[server]`` host and port — the file ``relay serve`` would read — then
+    127.0.0.1:8765. Prints the URL and where it came from to stderr.
+
+    Only the config's ``[server]`` table is read, not validated: a daemon may be running
+    on a file that has since gained a problem. The token is the config's ``token_env``
+    variable's value, else ``RELAY_TOKEN``'s.
+    """
+    token_env, host_port, note = "RELAY_TOKEN", None, ""
+    path = Path(config) if config is not None else default_config_path()
+    try:
+        server = tomllib.loads(path.read_text(encoding="utf-8")).get("server", {})
+    except (OSError, ValueError) as exc:
+        server, note = None, f"; {path} could not be read ({exc})"
+    if isinstance(server, dict):
+        if isinstance(server.get("token_env"), str):
+            token_env = server["token_env"]
+        host, port = server.get("host", "127.0.0.1"), server.get("port", 8765)
+        if isinstance(host, str) and isinstance(port, int) and 0 < port < 65536:
+            # A daemon bound to every address is reached on loopback.
+            host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+            host_port = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    token = os.environ.get(token_env) or os.environ.get("RELAY_TOKEN")
+    if url is not None:
+        found = _Daemon(url, "--url", token)
+    elif os.environ.get("RELAY_URL"):
+        found = _Daemon(os.environ["RELAY_URL"], "RELAY_URL", token)
+    elif host_port is not None:
+        packaged = path.resolve() == PACKAGED_DEFAULT.resolve()
+        what = "the packaged default config" if packaged else path
+        found = _Daemon(f"http://{host_port}", f"[server] host and port of {what}", token)
+    else:
+        found = _Daemon(DEFAULT_URL, f"relay's default{note}", token)
+    print(f"relay: asking the daemon at {found.url} (from {found.source})", file=sys.stderr,
+          flush=True)
+    return found
+
+
+def _check(daemon: _Daemon, names: list[str]) -> int:
     """Check each provider (all by default) and print one readable line each."""
-    token = os.environ.get("RELAY_TOKEN")
-    base = url.rstrip("/")
+    token = daemon.token
+    base = daemon.url
     try:
         if not names:
             code, body = get_json(base + "/relay/v1/status", token=token)
@@ -225,17 +302,16 @@ def _check(url: str, names: list[str]) -> int:
             print(f"{name}: {mark} — {state}; {detail}")
             failed |= body["outcome"] == "failed"
     except OSError as exc:
-        print(f"relay: {exc}", file=sys.stderr)
+        print(daemon.unreachable(exc), file=sys.stderr)
         return 1
     return 1 if failed else 0
 
 
-def _status(url: str) -> int:
-    token_env = os.environ.get("RELAY_TOKEN")
+def _status(daemon: _Daemon) -> int:
     try:
-        code, body = get_json(url.rstrip("/") + "/relay/v1/status", token=token_env)
+        code, body = get_json(daemon.url + "/relay/v1/status", token=daemon.token)
     except OSError as exc:
-        print(f"relay: {exc}", file=sys.stderr)
+        print(daemon.unreachable(exc), file=sys.stderr)
         return 1
     if code != 200:
         print(f"relay: status answered {code}: {body.get('error', {}).get('message')}",

@@ -25,6 +25,7 @@ cancel of the caller's scope stops everything at once (SPEC O2).
 
 from __future__ import annotations
 
+import errno
 import logging
 from functools import partial
 from typing import Any
@@ -42,7 +43,8 @@ from relay.config import Config
 
 from .relay import Relay, open_relay
 
-__all__ = ["KEEP_ALIVE_TIMEOUT_S", "BoundedWriteTCPServer", "Served", "serve", "serve_http"]
+__all__ = ["KEEP_ALIVE_TIMEOUT_S", "BoundedWriteTCPServer", "ListenError", "Served", "serve",
+           "serve_http"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,34 @@ class BoundedWriteTCPServer(TCPServer):
                     await self.protocol.handle(Closed())  # → http.disconnect → stop
 
 
+class ListenError(OSError):
+    """relay could not listen on its address: the port is taken, the address is not this
+    machine's, the port needs privileges. ``str()`` is one line for a person: the address,
+    why, and how to pick another; ``errno`` is the socket's."""
+
+    def __init__(self, host: str, port: int, exc: OSError) -> None:
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if exc.errno == errno.EADDRINUSE:
+            why = (f"port {port} is already in use (another relay, or another program, "
+                   f"listens on {where}). Pick another port: relay serve --port "
+                   f"{port + 1 if 0 < port < 65535 else 8766}, or set [server] port in "
+                   "the config")
+        elif exc.errno == errno.EACCES:
+            why = (f"port {port} needs privileges this user lacks. Pick a port above 1023: "
+                   "relay serve --port 8765, or set [server] port in the config")
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            why = (f"{host} is not an address of this machine. Pick one it has: relay "
+                   "serve --host 127.0.0.1, or set [server] host in the config")
+        else:
+            why = (f"{exc.strerror or exc}. Pick another address: relay serve --host H "
+                   "--port N, or set [server] host and port in the config")
+        super().__init__(exc.errno, f"cannot listen on {where}: {why}")
+        self.host, self.port = host, port
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 @attrs.frozen
 class Served:
     """What `serve_http` (and `relay.serve`) report once listening."""
@@ -102,7 +132,11 @@ async def serve_http(
     shutdown: trio.Event | None = None,
     task_status: trio.TaskStatus[Served] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``relay.app`` until cancelled, or until ``shutdown`` is set (then drain)."""
+    """Serve ``relay.app`` until cancelled, or until ``shutdown`` is set (then drain).
+
+    Raises:
+        ListenError: the address cannot be listened on (a port in use, say).
+    """
     server = relay.config.server
     host = server.host
     port = port if port is not None else server.port
@@ -114,7 +148,10 @@ async def serve_http(
     # (hypercorn's graceful_timeout is not used: relay runs its own accept loop and its
     # own drain, `Relay.drain`, then cancels what is left.)
     app = wrap_app(relay.app, cfg.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
-    sockets = cfg.create_sockets()
+    try:
+        sockets = cfg.create_sockets()
+    except OSError as exc:  # a port in use, an address not this machine's: one line (issue 15)
+        raise ListenError(host, port, exc) from exc
     listeners = []
     urls = []
     for sock in sockets.insecure_sockets:

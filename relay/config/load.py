@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,7 +33,13 @@ from relay.vocab.profile import (
 )
 
 from .schema import COMMON_PROVIDER_KEYS, Config, RouteConfig, ServerConfig, _ProfileTable
-from .structure import structure_table, validation_problems
+from .structure import (
+    did_you_mean,
+    structure_table,
+    toml_problem,
+    unknown_key,
+    validation_problems,
+)
 
 Registry = Mapping[str, "type[Adapter]"]
 
@@ -80,9 +86,16 @@ def load_config(path: str | os.PathLike[str] | None, adapters: Registry, *,
     file = Path(path) if path is not None else default_config_path()
     packaged = file.resolve() == PACKAGED_DEFAULT.resolve()
     try:
-        text = file.read_text(encoding="utf-8")
+        data = file.read_bytes()
     except OSError as exc:
         raise ConfigError([f"{file}: cannot read: {exc.strerror or exc}"]) from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise ConfigError([f"{file}: line {line}, column {column}: not UTF-8 text (byte "
+                           f"0x{data[exc.start]:02x}); save the file as UTF-8"]) from exc
     return parse_config(text, adapters, source=str(file), base_dir=file.parent,
                         packaged=packaged, server_overrides=server_overrides)
 
@@ -97,7 +110,7 @@ def parse_config(
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError([f"{source}: not valid TOML: {exc}"]) from exc
+        raise ConfigError([toml_problem(source, text, exc)]) from exc
 
     problems: list[str] = []
     warnings: list[str] = []
@@ -107,8 +120,9 @@ def parse_config(
         data["server"] = {**data.get("server", {}), **server_overrides}
     for key in data:
         if key not in ("server", "providers", "routes"):
-            problems.append(f"[{key}]: unknown table (expected [server], [providers.NAME] "
-                            "or [routes.NAME])")
+            problems.append(f"[{key}]: unknown table"
+                            f"{did_you_mean(key, ('server', 'providers', 'routes'))}; "
+                            "expected [server], [providers.NAME] or [routes.NAME]")
 
     server = structure_table(data.get("server", {}), ServerConfig, "server", problems)
     if server is not None:
@@ -137,21 +151,22 @@ def parse_config(
     if problems:
         raise ConfigError([f"{source}: {p}" for p in problems])
     assert server is not None
-    providers = {name: attrs.evolve(p, max_upstream_bytes=server.max_upstream_bytes)
-                 for name, p in providers.items()}
-    records: Path | None
-    if server.records is not None:
-        records = Path(server.records).expanduser()
-        if not records.is_absolute():
-            records = (base_dir or Path.cwd()) / records
-    else:
-        records = default_state_dir() / "relay-requests.jsonl"
     del packaged  # the packaged default never names a records path: it uses the state dir
     secret_env = _secret_env([server, *(p.settings for p in providers.values())])
-    providers = {name: attrs.evolve(p, secret_env=secret_env) for name, p in providers.items()}
+    providers = {name: attrs.evolve(p, max_upstream_bytes=server.max_upstream_bytes,
+                                    secret_env=secret_env) for name, p in providers.items()}
     return Config(server=server, providers=providers, routes=routes, source=source,
-                  records_path=records, server_overrides=dict(server_overrides or {}),
+                  records_path=_records_path(server, base_dir),
+                  server_overrides=dict(server_overrides or {}),
                   warnings=tuple(f"{source}: {w}" for w in warnings))
+
+
+def _records_path(server: ServerConfig, base_dir: Path | None) -> Path:
+    """``[server] records``, relative to the config file; default: the state dir's."""
+    if server.records is None:
+        return default_state_dir() / "relay-requests.jsonl"
+    records = Path(server.records).expanduser()
+    return records if records.is_absolute() else (base_dir or Path.cwd()) / records
 
 
 def _secret_env(tables: list[Any]) -> frozenset[str]:
@@ -166,14 +181,19 @@ def _secret_env(tables: list[Any]) -> frozenset[str]:
     return frozenset(names)
 
 
-def check_target(target: str, providers: Mapping[str, ProviderConfig]) -> str | None:
-    """What is wrong with a ``provider/model`` target, or None."""
+def check_target(target: str, providers: Mapping[str, ProviderConfig], *,
+                 defined: Sequence[str] | None = None) -> str | None:
+    """What is wrong with a ``provider/model`` target, or None. ``defined``: every
+    provider name the file defines (some may have problems of their own, so they are not
+    in ``providers``), for the list of known names."""
     provider, slash, model = target.partition("/")
     if not slash or not model:
         return f"{target!r} must be PROVIDER/MODEL"
     pconf = providers.get(provider)
     if pconf is None:
-        return f"{target!r} names no provider (known: {', '.join(providers) or 'none'})"
+        names = list(defined if defined is not None else providers)
+        return (f"{target!r} names no provider{did_you_mean(provider, names)} (providers "
+                f"defined: {', '.join(names) or 'none'})")
     if pconf.models_configured and model.partition("?")[0] not in pconf.models:
         return (f"{target!r}: provider {provider!r} lists only "
                 f"{', '.join(pconf.models)}")
@@ -189,7 +209,7 @@ def _load_route(name: str, table: Any, providers: Mapping[str, ProviderConfig],
     if name in raw_providers:
         problems.append(f"[{where}]: the name is also a provider's; choose another")
         return None
-    route = structure_table(table, RouteConfig, where, problems)
+    route = structure_table(table, RouteConfig, where, problems, hidden=("name",))
     if route is None:
         return None
     ok = True
@@ -199,7 +219,7 @@ def _load_route(name: str, table: Any, providers: Mapping[str, ProviderConfig],
                 raw_providers:
             ok = False  # that provider's own table already has a problem
             continue
-        problem = check_target(target, providers)
+        problem = check_target(target, providers, defined=list(raw_providers))
         if problem is not None:
             problems.append(f"[{where}] {key}: {problem}")
             ok = False
@@ -239,23 +259,57 @@ def _load_provider(
         problems.append(f"[{where}]: must be a table")
         return None
     kind = table.get("adapter")
-    if kind is None:
-        problems.append(f"[{where}] adapter: missing; one of: {', '.join(sorted(registry))}")
-        return None
     adapter = registry.get(kind) if isinstance(kind, str) else None
     if adapter is None:
-        problems.append(f"[{where}] adapter: unknown adapter kind {kind!r}; "
-                        f"known kinds: {', '.join(sorted(registry))}")
+        _unknown_kind(where, kind, table, registry, problems)
         return None
+    assert isinstance(kind, str)   # the registry's keys are names
 
     before = len(problems)
     common = {k: table[k] for k in COMMON_PROVIDER_KEYS if k in table}
     rest = {k: val for k, val in table.items() if k not in COMMON_PROVIDER_KEYS}
-    settings = structure_table(rest, adapter.Settings, where, problems)
+    settings = structure_table(rest, adapter.Settings, where, problems,
+                              also_valid=COMMON_PROVIDER_KEYS)
     if settings is not None:
         for key, message in adapter.settings_problems(settings):
             problems.append(f"[{where}] {key}: {message}")
+    models, prefill, check_model, interval = _common(where, common, adapter, problems)
+    overrides = structure_table(common.get("profile", {}), _ProfileTable,
+                                f"{where}.profile", problems)
+    if settings is None or overrides is None or len(problems) > before:
+        return None
+    profile = _profile(where, name, kind, adapter, settings, overrides, problems, warnings)
+    if profile is None:
+        return None
+    return ProviderConfig(
+        name=name, adapter=kind, profile=profile, settings=settings, models=models,
+        models_configured=bool(models), prefill=prefill,
+        check_interval_s=float(interval) if interval is not None else None,
+        check_model=check_model, secret_envs=tuple(adapter.secret_envs(settings)),
+        secret_values=tuple(adapter.secret_values(settings)))
 
+
+def _unknown_kind(where: str, kind: Any, table: dict[str, Any],
+                  registry: Mapping[str, Any], problems: list[str]) -> None:
+    # Without a kind, which keys are valid is not known: name the ones no kind takes.
+    kinds = ", ".join(sorted(registry))
+    settings_keys = sorted({f.name for a in registry.values()
+                            for f in attrs.fields(a.Settings)})
+    for key in table:
+        if key not in COMMON_PROVIDER_KEYS and key not in settings_keys:
+            problems.append(unknown_key(where, key, [*COMMON_PROVIDER_KEYS, *settings_keys],
+                                        more=" (which of the last ones apply depends on "
+                                        "the adapter)"))
+    if kind is None:
+        problems.append(f"[{where}] adapter: missing; one of: {kinds}")
+    else:
+        problems.append(f"[{where}] adapter: unknown adapter kind {kind!r}"
+                        f"{did_you_mean(str(kind), sorted(registry))}; known kinds: {kinds}")
+
+
+def _common(where: str, common: dict[str, Any], adapter: Any, problems: list[str]
+            ) -> tuple[tuple[str, ...], bool, Any, Any]:
+    """The common keys every provider takes: (models, prefill, check_model, interval)."""
     models: tuple[str, ...] = ()
     if "models" in common:
         m = common["models"]
@@ -273,12 +327,14 @@ def _load_provider(
     if interval is not None and (isinstance(interval, bool)
                                  or not isinstance(interval, int | float) or interval <= 0):
         problems.append(f"[{where}] check_interval_s: must be a number of seconds > 0")
+    return models, prefill, check_model, interval
 
-    overrides = structure_table(common.get("profile", {}), _ProfileTable,
-                                f"{where}.profile", problems)
-    if settings is None or overrides is None or len(problems) > before:
-        return None
 
+def _profile(where: str, name: str, kind: str, adapter: Any, settings: Any,
+             overrides: _ProfileTable, problems: list[str], warnings: list[str]
+             ) -> Profile | None:
+    """The adapter's recommended profile with the file's overrides laid over it, checked
+    (SPEC L2, L3)."""
     recommended = adapter.recommended_profile(settings)
     fields = attrs.asdict(recommended) if recommended is not None else {}
     fields.update({k: val for k, val in attrs.asdict(overrides).items() if val is not None})
@@ -295,7 +351,6 @@ def _load_provider(
     if invalid:
         problems.extend(invalid)
         return None
-
     max_call = adapter.max_call_s(settings)
     if profile.run_timeout_s < max_call:
         problems.append(
@@ -309,9 +364,4 @@ def _load_provider(
             f"[{where}.profile] queue_timeout_s: WARNING {profile.queue_timeout_s:g} s with "
             f"1 lane is shorter than a typical {kind!r} call ({typical:g} s): a request "
             "queued behind one running call will time out in the queue.")
-    return ProviderConfig(
-        name=name, adapter=kind, profile=profile, settings=settings, models=models,
-        models_configured=bool(models), prefill=prefill,
-        check_interval_s=float(interval) if interval is not None else None,
-        check_model=check_model, secret_envs=tuple(adapter.secret_envs(settings)),
-        secret_values=tuple(adapter.secret_values(settings)))
+    return profile

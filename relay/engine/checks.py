@@ -151,7 +151,8 @@ def _apply(provider: Provider, started: float, text: str | None,
         provider.checked_at = now
         return CheckResult(provider.name, True, "answered", None,
                            f"answered in {duration / 1000:.1f} s", text, duration)
-    said = error.message + (f" — {error.action}" if error.action else "")
+    said = error.message + (f" — {error.action}" if error.action and error.action not in
+                            error.message else "")
     if error.phase == "capacity" or error.reason == "shutting_down":
         # Busy is not broken (H2): the verified state and the models stay as they were.
         return CheckResult(provider.name, False, "busy", error.reason, error.message, None,

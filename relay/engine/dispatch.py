@@ -43,7 +43,7 @@ import attrs
 import trio
 
 from relay.engine.engine import Engine
-from relay.engine.plan import Plan, Target
+from relay.engine.plan import FALLBACK_ON, RETRY_ON, Plan, Target
 from relay.engine.stops import RequestStop
 from relay.vocab.errors import RelayError
 from relay.vocab.events import AttemptStarted, Call, Ended
@@ -52,20 +52,9 @@ from relay.vocab.records import Attempt, Record
 from .attempt import AttemptSink, Delivered, Run
 from .notices import LaneNotices
 
-__all__ = ["FALLBACK_ON", "RETRY_ON", "Dispatcher"]
+__all__ = ["Dispatcher"]
 
 logger = logging.getLogger("relay.dispatch")
-
-# F2: the failures a different target may fix.
-FALLBACK_ON = frozenset({
-    "run_timeout", "attempt_timeout", "first_token_timeout", "stall_timeout",
-    "rate_limited", "quota_exhausted", "stream_cut", "bad_upstream_response",
-    "upstream_unavailable", "upstream_error", "context_too_long",
-    "provider_queue_full", "provider_queue_timeout",
-})
-# F3: the failures the same target may fix when asked again (never a timeout or a 4xx).
-RETRY_ON = frozenset({"rate_limited", "upstream_error", "upstream_unavailable", "stream_cut"})
-
 
 # --- the dispatcher -------------------------------------------------------------------------
 
@@ -124,18 +113,12 @@ class Dispatcher:
                     return self._final(RelayError(
                         "budget_exhausted", f"route {route.name if route else ''!r} used "
                         f"its whole budget of {budget:g} s before {target.name} could be "
-                        "tried", provider=target.provider.name), original)
+                        "tried", provider=target.provider.name,
+                        action=self.plan.timeout_action("budget_exhausted", target)), original)
                 # The writer hears of the attempt first; only then is it counted (the
                 # record, the log): a request stopped before it began shows no attempt.
                 await out.send(AttemptStarted(target.name, continues=sent.any))
-                if self.record.attempts:
-                    self.record.fallback_triggered |= target.role == "fallback"
-                    if attempt_no == 0 and target.role == "fallback":
-                        previous = self.record.attempts[-1]
-                        logger.info("fallback_triggered request=%s from=%s/%s to=%s "
-                                    "reason=%s", self.record.id, previous.provider,
-                                    previous.model, target.name,
-                                    last.reason if last else None)
+                self._note_fallback(target, attempt_no, last)
                 run = await self._attempt(nursery, out, target, call, sent, deadline)
                 if run.error is None:
                     return None
@@ -158,6 +141,16 @@ class Dispatcher:
             if last.reason not in FALLBACK_ON:
                 break
         return self._final(last, original)
+
+    def _note_fallback(self, target: Target, attempt_no: int, last: RelayError | None
+                       ) -> None:
+        if self.record.attempts:
+            self.record.fallback_triggered |= target.role == "fallback"
+            if attempt_no == 0 and target.role == "fallback":
+                previous = self.record.attempts[-1]
+                logger.info("fallback_triggered request=%s from=%s/%s to=%s reason=%s",
+                            self.record.id, previous.provider, previous.model, target.name,
+                            last.reason if last else None)
 
     def _retry_fits(self, target: Target, wait: float, deadline: float) -> bool:
         """F4: the wait before a retry is time spent waiting for the provider, so it must
@@ -304,7 +297,8 @@ class Dispatcher:
         else:
             said = (f"{name} stalled: no token for {route.stall_timeout_s:g} s" if route
                     else "")
-        return RelayError(reason, f"{said.rstrip()}; it was stopped", provider=provider)
+        return RelayError(reason, f"{said.rstrip()}; it was stopped", provider=provider,
+                          action=self.plan.timeout_action(reason, run.target))
 
     async def _run_attempt(self, run: Run) -> None:
         """One attempt's task: lane slot, run-timeout scope, adapter. Its outcome is

@@ -177,12 +177,25 @@ class Engine:
             if len(owners) > 1:
                 names = ", ".join(f"{p.name}/{model}" for p in owners)
                 raise RelayError("unknown_model", f"model {model!r} is offered by several "
-                                 f"providers; name one of: {names}", param="model")
+                                 f"providers; name one of: {names}", param="model",
+                                 action=f"name the provider: one of {names}")
         known = ", ".join(self.known_names()) or "(none discovered yet)"
+        provider = self.providers.get(name) if slash else None
+        if provider is not None and rest:   # a provider whose file lists its models
+            action = (f"use one of {provider.name}'s models ({', '.join(provider.models)}), "
+                      f"or add {rest!r} to models in [providers.{provider.name}]")
+        elif slash and rest:
+            action = (f"{name!r} is no provider here: use one of "
+                      f"{', '.join(self.providers) or '(none)'}, or add [providers.{name}] "
+                      "to the config")
+        else:
+            action = ("use a name GET /v1/models lists: a route name, PROVIDER/MODEL, or a "
+                      "bare model name that one provider lists")
         raise RelayError(
             "unknown_model",
             f"model {model!r} is not known. Known models: {known}. Or write PROVIDER/MODEL "
-            f"with one of the providers: {', '.join(self.providers)}.", param="model")
+            f"with one of the providers: {', '.join(self.providers)}.", param="model",
+            action=action)
 
     def model_ids(self) -> list[str]:
         return [f"{p.name}/{m}" for p in self.providers.values() for m in p.models]

@@ -341,7 +341,21 @@ class Lane:
                        f"This request was not started. Retry in about {math.ceil(retry)} s, "
                        "once they have finished.")
         message += f" ({_basis(left, call, ahead, self._profile.rpm)})"
-        return RelayError(reason, message, provider=self.name, retry_after_s=retry)
+        return RelayError(reason, message, provider=self.name, retry_after_s=retry,
+                          action=self._capacity_action(reason))
+
+
+    def _capacity_action(self, reason: str) -> str:
+        """What to do about a capacity failure: wait, or give the lane more room — never
+        re-check the connection (SPEC L7; seed 000: that advice made the jam worse)."""
+        p, table = self._profile, f"[providers.{self.name}.profile]"
+        if reason == "provider_queue_full":
+            return (f"retry after the time in Retry-After; if the queue is often full, "
+                    f"raise queue_max (now {p.queue_max}) in {table}, or lanes (now "
+                    f"{p.lanes}) if the provider really runs more requests at once")
+        return (f"retry after the time in Retry-After; if requests often wait this long, "
+                f"raise queue_timeout_s (now {p.queue_timeout_s:g} s) in {table}, or "
+                f"lanes (now {p.lanes}) if the provider really runs more at once")
 
 
 def _basis(left: list[float], call: float, ahead: int, rpm: float) -> str:

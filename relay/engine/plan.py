@@ -13,7 +13,17 @@ from relay.vocab.errors import RelayError
 from .engine import Engine
 from .providers import Provider
 
-__all__ = ["Plan", "Target", "make_plan"]
+__all__ = ["FALLBACK_ON", "RETRY_ON", "Plan", "Target", "make_plan"]
+
+# F2: the failures a different target may fix.
+FALLBACK_ON = frozenset({
+    "run_timeout", "attempt_timeout", "first_token_timeout", "stall_timeout",
+    "rate_limited", "quota_exhausted", "stream_cut", "bad_upstream_response",
+    "upstream_unavailable", "upstream_error", "context_too_long",
+    "provider_queue_full", "provider_queue_timeout",
+})
+# F3: the failures the same target may fix when asked again (never a timeout or a 4xx).
+RETRY_ON = frozenset({"rate_limited", "upstream_error", "upstream_unavailable", "stream_cut"})
 
 
 @attrs.frozen
@@ -43,6 +53,31 @@ class Plan:
             return self.route.primary_timeout_s
         return self.route.fallback_timeout_s
 
+    def timeout_action(self, reason: str, target: Target) -> str:
+        """What to do about a timeout of ``target`` (issue 15): the limit that fired, its
+        value and where it is set; a limit is raised only if calls really take that long."""
+        route, table = self.route, f"[routes.{self.route.name if self.route else ''}]"
+        if reason == "run_timeout":
+            limit = target.provider.config.profile.run_timeout_s
+            return (f"if calls really take over {limit:g} s, raise run_timeout_s in "
+                    f"[providers.{target.provider.name}.profile]; otherwise ask for a "
+                    "shorter answer (max_tokens)")
+        if route is None:  # the other limits are a route's
+            return "retry; ask for a shorter answer if it keeps happening"
+        if reason == "attempt_timeout":
+            key = "primary_timeout_s" if target.role == "primary" else "fallback_timeout_s"
+            return (f"raise {key} (now {self.timeout_for(target) or 0:g} s) in {table} if "
+                    f"{target.name} needs longer, or ask for a shorter answer")
+        if reason == "budget_exhausted":
+            return (f"raise budget_s (now {route.total_budget_s() or 0:g} s) in {table}, or "
+                    "shorten its attempt timeouts so that its fallbacks get their turn")
+        if reason == "first_token_timeout":
+            return (f"raise first_token_timeout_s (now {route.first_token_timeout_s or 0:g} "
+                    f"s) in {table} if {target.name} is slow to start (a long prompt, a "
+                    "model still loading)")
+        return (f"raise stall_timeout_s (now {route.stall_timeout_s or 0:g} s) in {table} "
+                f"if {target.name} pauses this long between tokens")
+
 
 def make_plan(relay: Engine, model: str, body_fallbacks: Any) -> Plan:
     """Resolve ``model`` (a route, ``provider/model`` or a bare model) and the body's own
@@ -69,7 +104,9 @@ def make_plan(relay: Engine, model: str, body_fallbacks: Any) -> Plan:
     for entry in fallbacks:
         problem = check_target(entry, {n: p.config for n, p in relay.providers.items()})
         if problem is not None:
-            raise RelayError("unknown_model", f"fallback {problem}", param="fallbacks")
+            raise RelayError("unknown_model", f"fallback {problem}", param="fallbacks",
+                             action="name configured targets in 'fallbacks' "
+                             "(PROVIDER/MODEL; GET /v1/models lists them), or leave it out")
         fb_provider, fb_model = relay.resolve(entry)
         target = Target(fb_provider, fb_model, "fallback")
         if target.name in seen:

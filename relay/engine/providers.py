@@ -88,7 +88,9 @@ class AdapterHandle:
         """Hold the adapter open for one attempt (queue wait and run)."""
         if self.closed:  # its provider was removed by a reload after the plan was made
             raise RelayError("unknown_model", f"provider {self.adapter.name!r} was removed "
-                             "from relay's config", provider=self.adapter.name)
+                             "from relay's config", provider=self.adapter.name,
+                             action="use a model of a provider that is still configured "
+                             "(GET /v1/models lists them)")
         self.attempts += 1
         try:
             yield self.adapter

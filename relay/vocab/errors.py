@@ -44,8 +44,8 @@ import attrs
 
 from .redact import head, redact, redact_obj
 
-__all__ = ["MAX_WORDS_BYTES", "REASONS", "ConfigError", "Reason", "RelayError",
-           "bound_text", "cut_marker", "excerpt"]
+__all__ = ["DEFAULT_ACTIONS", "MAX_WORDS_BYTES", "REASONS", "ConfigError", "Reason",
+           "RelayError", "bound_text", "cut_marker", "excerpt"]
 
 MAX_WORDS_BYTES: Final = 64 * 1024  # SPEC E1: the provider's words are whole up to this
 
@@ -85,6 +85,36 @@ REASONS: Final[dict[str, Reason]] = {
     "bad_host": Reason("request", 403, "invalid_request_error"),
     "shutting_down": Reason("shutdown", 503, "server_error", False, 5.0),
     "internal_error": Reason("internal", 500, "server_error"),
+}
+
+
+# What to do next (``action``) for the reasons where a person can act (issue 15). The
+# place that raises one says it true to its cause (the address nothing listens on, the
+# profile key to raise, with its value); these are the fallback when it has nothing more
+# to say, so none of these errors goes out with "action": null. A capacity failure never
+# says "check the connection" (SPEC L7: that advice made seed 000's jam worse).
+DEFAULT_ACTIONS: Final[dict[str, str]] = {
+    "provider_queue_full": "retry after the time in Retry-After; if the queue is often "
+                           "full, raise queue_max (or lanes, if the provider really runs "
+                           "more at once) in [providers.{provider}.profile]",
+    "provider_queue_timeout": "retry after the time in Retry-After; if requests often wait "
+                              "this long, raise queue_timeout_s (or lanes) in "
+                              "[providers.{provider}.profile]",
+    "auth_required": "check the provider's API key or login, then retry",
+    "run_timeout": "if calls really take this long, raise run_timeout_s in "
+                   "[providers.{provider}.profile]; otherwise ask for a shorter answer",
+    "attempt_timeout": "raise the route's primary_timeout_s or fallback_timeout_s, or ask "
+                       "for a shorter answer",
+    "first_token_timeout": "raise the route's first_token_timeout_s if the model is slow "
+                           "to start (a long prompt, a model still loading)",
+    "stall_timeout": "raise the route's stall_timeout_s if the model pauses this long "
+                     "between tokens",
+    "budget_exhausted": "raise the route's budget_s, or shorten its attempt timeouts so "
+                        "that its fallbacks get their turn",
+    "upstream_unavailable": "check that provider {provider} is running and reachable "
+                            "(`relay check {provider}` tries it), then retry",
+    "unknown_model": "use a model that GET /v1/models lists: a route name, PROVIDER/MODEL, "
+                     "or a bare model name that one provider lists",
 }
 
 
@@ -138,7 +168,8 @@ class RelayError(Exception):
             413/415/408 for bodies that are too large, not JSON, or too slow).
         provider: the provider that failed, if any.
         retry_after_s: when a retry may help; becomes ``Retry-After``.
-        action: what the user should do (``auth_required``: how to log in).
+        action: what the user should do (``auth_required``: how to log in); without
+            one, the reason's `DEFAULT_ACTIONS` entry, if it has one.
         upstream_status, upstream_message: the provider's own status and words.
         param: the request field at fault, as OpenAI's ``param``.
 
@@ -175,6 +206,8 @@ class RelayError(Exception):
         self.status = status if status is not None else spec.status
         self.provider = provider
         self.retry_after_s = retry_after_s if retry_after_s is not None else spec.retry_after_s
+        if action is None and reason in DEFAULT_ACTIONS:
+            action = DEFAULT_ACTIONS[reason].format(provider=provider or "NAME")
         self.action = redact(action) if action is not None else None
         self.upstream_status = upstream_status
         self.param = param
