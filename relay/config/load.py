@@ -268,6 +268,9 @@ def _load_provider(
     prefill = common.get("prefill", adapter.capabilities.prefill)
     if not isinstance(prefill, bool):
         problems.append(f"[{where}] prefill: expected true or false")
+    strict_fields = common.get("strict_fields", False)
+    if not isinstance(strict_fields, bool):
+        problems.append(f"[{where}] strict_fields: expected true or false")
     check_model = common.get("check_model")
     if check_model is not None and not (isinstance(check_model, str) and check_model):
         problems.append(f"[{where}] check_model: must be a model name")
@@ -315,5 +318,6 @@ def _load_provider(
         name=name, adapter=kind, profile=profile, settings=settings, models=models,
         models_configured=bool(models), prefill=prefill,
         check_interval_s=float(interval) if interval is not None else None,
-        check_model=check_model, secret_envs=tuple(adapter.secret_envs(settings)),
+        check_model=check_model, strict_fields=strict_fields,
+        secret_envs=tuple(adapter.secret_envs(settings)),
         secret_values=tuple(adapter.secret_values(settings)))

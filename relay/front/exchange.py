@@ -95,6 +95,10 @@ class Exchange:
         self.request_scope = trio.CancelScope()  # the request's nursery's, once it runs
         self.include_usage = False
         self.progress_events = False
+        # SPEC A1a: the advisory fields the target dropped, as X-Relay-Ignored-Fields when
+        # the headers go out; and the prompt's size, should relay have to estimate usage.
+        self.ignored_fields: tuple[str, ...] = ()
+        self.prompt_chars = 0
         # The record is written before the last byte goes out whenever it is final by
         # then (relay.vocab.records says what a record claims): ``_final`` settles it and
         # says whether it is.
@@ -133,7 +137,12 @@ class Exchange:
 
     async def send_json(self, status: int, obj: Any,
                         headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        await send_json(self.send, status, obj, headers)
+        await send_json(self.send, status, obj, [*(headers or ()), *self._ignored_header()])
+
+    def _ignored_header(self) -> list[tuple[bytes, bytes]]:
+        if not self.ignored_fields:
+            return []
+        return [(b"x-relay-ignored-fields", ", ".join(self.ignored_fields).encode())]
 
     async def send_error(self, error: RelayError) -> None:
         await send_error(self.send, error, self.dialect)
@@ -144,7 +153,8 @@ class Exchange:
             await self.bounded_send({"type": "http.response.start", "status": 200,
                                      "headers": [
                 (b"content-type", b"text/event-stream; charset=utf-8"),
-                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+                *self._ignored_header()]})
 
     async def write(self, data: bytes, *, more: bool = True) -> None:
         """One piece of a stream, headers first if they are not out yet; bounded."""

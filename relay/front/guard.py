@@ -27,7 +27,7 @@ from .asgi import RELAY_ROUTES, Message, Receive, Scope, Send, header, send_erro
 if TYPE_CHECKING:
     from relay.engine.engine import Engine
 
-__all__ = ["Guard"]
+__all__ = ["Guard", "dialect_for"]
 
 
 def _host_name(host: str) -> str | None:
@@ -52,6 +52,15 @@ def _host_name(host: str) -> str | None:
     if port and not (port[0] == ":" and port[1:].isascii() and port[1:].isdigit()):
         return None
     return name
+
+
+def dialect_for(path: str) -> Dialect:
+    """The dialect of the relay route a path is or lies under (``/v1/messages/…`` is
+    Anthropic's: SPEC A6, every error there Anthropic-shaped), else OpenAI's."""
+    for route, dialect in RELAY_ROUTES.items():
+        if path == route or path.startswith(route + "/"):
+            return dialect
+    return OPENAI
 
 
 class Guard:
@@ -91,7 +100,7 @@ class Guard:
                 message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
 
-        dialect = RELAY_ROUTES.get(scope["path"], OPENAI)
+        dialect = dialect_for(scope["path"])
         refusal = self._refusal(scope, origin)
         if refusal is not None:
             self._record(scope, refusal)

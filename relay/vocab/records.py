@@ -105,6 +105,8 @@ class Record:
     run_ms: float | None = None
     recovered: bool = False
     usage: dict[str, Any] | None = None
+    # The client's advisory fields the answering target dropped (SPEC A1a).
+    ignored_fields: list[str] = attrs.field(factory=list)
     fallback_triggered: bool = False
     stop_requested_at: float | None = None
     released_at: float | None = None
