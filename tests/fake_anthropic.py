@@ -14,6 +14,7 @@ Anthropic does, and scripts misbehaviour per model::
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -72,6 +73,8 @@ class FakeAnthropic(FakeServer):
         self.url = f"{self.base_url}/v1"
         self.scripts: dict[str, Script] = {}
         self.default = Script()
+        # Optional: the script for a request, chosen from its body; None: the scripts.
+        self.decide: Callable[[Any], Script | None] | None = None
         self.models = ["claude-test-1", "claude-test-2", "claude-test-3"]
         self.page_size = 2
 
@@ -102,7 +105,8 @@ class FakeAnthropic(FakeServer):
         if not isinstance(req, dict) or not isinstance(req.get("max_tokens"), int):
             await ex.send_json(400, error_body(400, "max_tokens: Field required"))
             return
-        script = self.scripts.get(str(req.get("model")), self.default)
+        decided = self.decide(req) if self.decide is not None else None
+        script = decided or self.scripts.get(str(req.get("model")), self.default)
         if script.hang:
             await trio.sleep_forever()
         if script.first_byte_delay_s:

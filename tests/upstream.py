@@ -159,6 +159,9 @@ class FakeUpstream:
         self.scripts: dict[str, Script] = {}
         self.sequences: dict[str, list[Script]] = {}
         self.default_script = Script()
+        # Optional: the script for a request, chosen from its body (an "agent" that calls
+        # a tool, then answers from the tool's result); None falls back to the scripts.
+        self.decide: Callable[[Any], Script | None] | None = None
         self.models: list[str] = list(models) if models is not None else ["m1"]
         self.requests: list[Recorded] = []
         self.connections: list[Conn] = []
@@ -422,7 +425,8 @@ class _Connection:
             await self._send_json(400, error_body(400, "you must provide a model parameter"))
             return
 
-        script = self.up.script_for(model)
+        decided = self.up.decide(req) if self.up.decide is not None else None
+        script = decided or self.up.script_for(model)
         if script.hang:
             await trio.sleep_forever()
         if script.first_byte_delay_s > 0:
