@@ -21,17 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 import trio
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from fake_anthropic import FakeAnthropic, serve_fake_anthropic  # noqa: E402
-from fake_anthropic import Script as AScript  # noqa: E402
-from upstream import FakeUpstream, Script, serve_fake_upstream  # noqa: E402
+# Run as a script, its own folder is on sys.path: the fakes beside it import.
+from fake_anthropic import FakeAnthropic, serve_fake_anthropic
+from fake_anthropic import Script as AScript
+from upstream import FakeUpstream, Script, serve_fake_upstream
 
 PATH = re.compile(r"(/[^\s'\"`]+\.txt)")
 
@@ -93,7 +91,7 @@ def messages_agent(req: Any) -> AScript | None:
 async def _log(server: Any, name: str, log: Path) -> None:
     seen = 0
     while True:
-        await server.wait_until(lambda: len(server.requests) > seen)
+        await server.wait_until(lambda n=seen: len(server.requests) > n)
         for r in server.requests[seen:]:
             with log.open("a", encoding="utf-8") as f:
                 f.write(json.dumps({"server": name, "path": r.path, "headers": {

@@ -34,9 +34,9 @@ from fake_anthropic import Script as AScript
 from upstream import FakeUpstream, Script, serve_fake_upstream
 
 from relay.adapters.anthropic import MessageReader
-from relay.dialects.anthropic_messages import ANTHROPIC
+from relay.dialects.anthropic_messages import ANTHROPIC, parse_messages_body
 from relay.dialects.base import Answer
-from relay.vocab.events import Delta, Finish, Usage
+from relay.vocab.events import Call, Delta, Finish, Usage
 
 MESSAGES = "/v1/messages"
 BETAS = ("claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27,"
@@ -242,6 +242,32 @@ async def test_thinking_history_to_an_openai_compatible_provider_is_dropped_and_
         {"role": "system", "content": "Reminder: be brief."}]
     assert {"content.thinking", "content.redacted_thinking", "cache_control",
             "thinking"} <= names(r)
+
+
+def test_the_native_request_continues_a_partly_sent_answer() -> None:
+    """A fallback to the anthropic adapter after part of an answer reached the client
+    (SPEC F8) continues it: relay's continuation comes after the client's own turns."""
+    from relay.adapters.anthropic_request import native_request  # new in issue 13
+
+    chat = parse_messages_body(json.dumps(claude_code_body(
+        [], model="ant/x", messages=copy.deepcopy(HISTORY), stream=False)).encode())
+    call = Call(request_id="r", provider="ant", model="claude-x",
+                messages=[*chat.messages, {"role": "assistant", "content": "It says "}],
+                stream=True, params=chat.params, inbound=chat.inbound)
+    native = native_request(call)
+    assert native is not None
+    body, strip = native
+    assert strip == " "   # Anthropic refuses a final assistant text ending in whitespace
+    assert body["model"] == "claude-x" and body["stream"] is True
+    assert body["messages"][:-1] == HISTORY   # the client's turns, untouched
+    assert body["messages"][-1] == {"role": "assistant",
+                                    "content": [{"type": "text", "text": "It says"}]}
+    assert chat.inbound.body is not None and chat.inbound.body["messages"] == HISTORY
+    plain = Call(request_id="r", provider="ant", model="claude-x", messages=chat.messages,
+                 stream=False, params=chat.params, inbound=chat.inbound)
+    assert native_request(plain) == ({k: v for k, v in {**chat.inbound.body,
+                                                        "model": "claude-x"}.items()
+                                      if k != "stream"}, "")
 
 
 def test_redacted_thinking_and_signatures_come_back_to_a_messages_client() -> None:

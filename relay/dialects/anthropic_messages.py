@@ -148,6 +148,7 @@ def _user_turn(content: list[Any], where: str, own: _Own) -> list[dict[str, Any]
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str):
                 raise _bad(f"{at}.tool_use_id must be a string", "messages")
+            own.blocks(block.get("content"))
             tools.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                           "content": _tool_text(block.get("content"), at,
                                                 block.get("is_error") is True)})

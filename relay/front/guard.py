@@ -93,7 +93,8 @@ class Guard:
         if origin is not None and origin in self.origins:
             extra += [(b"access-control-allow-origin", origin.encode()), (b"vary", b"origin"),
                       (b"access-control-expose-headers",
-                       b"x-relay-request-id, retry-after, x-should-retry")]
+                       b"x-relay-request-id, retry-after, x-should-retry, "
+                       b"x-relay-ignored-fields")]
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
