@@ -197,8 +197,6 @@ def messages_request(call: Call, default_max_tokens: int = DEFAULT_MAX_TOKENS
     return body, stripped
 
 
-
-
 def native_request(call: Call) -> tuple[dict[str, Any], str] | None:
     """The client's own Messages request for ``call`` (SPEC A1a *passed*), or None when
     the client spoke another dialect: every field as sent — thinking blocks and their

@@ -36,6 +36,7 @@ from relay.api.fields import (
     OWN_FIELDS,
     PASSED,
     REFUSED,
+    RELAY_FIELDS,
     TRANSLATED,
     admit,
 )
@@ -140,6 +141,31 @@ def test_every_known_field_has_a_treatment_in_every_column() -> None:
     # The walk below covers every field: a new one needs an example there.
     assert set(CHAT_EXAMPLES) == set(CHAT_FIELDS)
     assert set(OWN_EXAMPLES) == set(OWN_FIELDS["anthropic"])
+
+
+def test_what_relay_reads_itself_is_no_providers_field() -> None:
+    for dialect, fields in RELAY_FIELDS.items():
+        body = {"model": "m", "messages": HISTORY, "stream": False, "system": "s",
+                "max_tokens": 5, "fallbacks": ["fake/echo"]}
+        body = {k: v for k, v in body.items() if k in fields or k == "max_tokens"}
+        if dialect == "anthropic":
+            chat = parse_messages_body(json.dumps(body).encode())
+            assert chat.inbound.body is not None and "fallbacks" not in chat.inbound.body
+        else:
+            chat = OPENAI.parse(json.dumps(body).encode())
+        assert chat.fallbacks == ["fake/echo"]
+        assert not set(chat.params) & fields and not set(chat.inbound.own) & fields
+
+
+@pytest.mark.parametrize("dialect", ["openai", "anthropic"])
+def test_stream_null_asks_for_nothing(dialect: str) -> None:
+    body = {"model": "m", "messages": HISTORY, "stream": None, "max_tokens": 5}
+    parse = parse_messages_body if dialect == "anthropic" else OPENAI.parse
+    chat = parse(json.dumps(body).encode())
+    assert chat.stream is False and "stream" not in chat.params
+    with pytest.raises(RelayError) as info:
+        parse(json.dumps({**body, "stream": "yes"}).encode())
+    assert info.value.param == "stream"
 
 
 def treat(kind: str, name: str, value: Any, params: dict[str, Any] | None = None) -> Any:
