@@ -25,7 +25,7 @@ MAX_ANSWER_BYTES = MAX_UPSTREAM_BYTES
 
 # --- the conversation, rendered (SPEC P2) ------------------------------------------------
 
-_LABELS = {"user": "User", "assistant": "Assistant"}
+_LABELS = {"user": "User", "assistant": "Assistant", "system": "System"}
 _TRANSCRIPT_HEAD = ("The conversation so far, oldest turn first. Reply to the last User "
                     "turn as the Assistant; write only the reply.")
 
@@ -49,9 +49,10 @@ def _text_of(message: dict[str, Any], index: int, provider: str) -> str:
 
 
 def render(messages: list[dict[str, Any]], provider: str) -> tuple[str | None, str]:
-    """(system prompt or None, the prompt): system/developer messages go to the tool's
-    system-prompt option; a single user turn is sent as it is; several turns become a
-    transcript with role labels.
+    """(system prompt or None, the prompt): the system/developer messages before the
+    first turn go to the tool's system-prompt option; a single user turn is sent as it
+    is; several turns become a transcript with role labels, in which a system message
+    in the middle of the conversation (Claude Code sends them, SPEC A6) is a System turn.
 
     Raises:
         RelayError: ``unsupported`` for parts or roles a text-only tool cannot take.
@@ -63,16 +64,20 @@ def render(messages: list[dict[str, Any]], provider: str) -> tuple[str | None, s
         if role in ("system", "developer"):
             text = _text_of(message, i, provider)
             if text.strip():
-                system.append(text)
+                if turns:
+                    turns.append(("system", text))
+                else:
+                    system.append(text)
             continue
-        if role not in _LABELS or message.get("tool_calls") or message.get("function_call"):
+        if role not in ("user", "assistant") or message.get("tool_calls") or \
+                message.get("function_call"):
             what = "tool calls" if role == "assistant" else f"{role!r} messages"
             raise RelayError(
                 "unsupported", f"provider {provider!r} is a command-line tool that answers "
                 f"text; it cannot take {what} (messages[{i}])", provider=provider,
                 param="messages")
         turns.append((str(role), _text_of(message, i, provider)))
-    if not turns:
+    if all(role == "system" for role, _ in turns):
         raise RelayError("invalid_request", "the conversation has no user message",
                          param="messages")
     system_prompt = "\n\n".join(system) if system else None

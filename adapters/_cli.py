@@ -48,6 +48,7 @@ import attrs
 import trio
 
 from relay.api.adapter import Adapter
+from relay.api.fields import ACCOUNTING, EFFORT, LIMITS, OUTPUT, SAMPLING, TOOLS, column
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call, EventSink
 from relay.vocab.profile import Profile, default_state_dir
@@ -64,7 +65,11 @@ __all__ = ["MAX_ANSWER_BYTES", "Broken", "CLIAdapter", "CLISettings", "Outcome",
 logger = logging.getLogger(__name__)
 
 MODES = ("oneshot", "session")
-SUPPORTED_PARAMS = frozenset({"n", "stream_options", "user", "metadata"})
+# SPEC A1a: a tool answers text; it cannot sample, bound, stop or call tools as asked.
+# Hints are dropped and reported; what would change the answer's meaning is refused.
+CLI_FIELDS = column(translated=("stream_options",),
+                    advisory=(*SAMPLING, *EFFORT, *ACCOUNTING, *LIMITS),
+                    refused=(*TOOLS, *OUTPUT))
 
 # SPEC L5: 3 lanes; queue waits of up to 10 minutes; a run limit above the tools' own
 # 10-minute limit (claude sends `x-stainless-timeout: 600` with every API request).
@@ -110,7 +115,7 @@ class CLIAdapter(Adapter):
     # Credentials the tool itself may use; every other credential-looking variable of
     # relay's environment (other providers' keys, relay's own token) is kept from it.
     own_credentials: ClassVar[frozenset[str]] = frozenset()
-    supported_params = SUPPORTED_PARAMS
+    fields = CLI_FIELDS
     # SPEC O5: the most answer text one turn may bring (for [server] max_upstream_bytes).
     @property
     def answer_limit(self) -> int:
@@ -185,11 +190,7 @@ class CLIAdapter(Adapter):
             return model
         return call.model
 
-    def check_call(self, call: Call) -> None:
-        super().check_call(call)
-        if (call.params.get("n") or 1) != 1:
-            raise RelayError("unsupported", f"provider {self.name!r} answers with one "
-                             "choice only; 'n' must be 1", provider=self.name, param="n")
+    def check_request(self, call: Call) -> None:
         render(call.messages, self.name)
 
     def system_file(self, system: str | None) -> Path | None:

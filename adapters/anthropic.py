@@ -4,6 +4,11 @@ Theory of operation. relay speaks OpenAI's chat shapes inside; this adapter tran
 `Call` into a Messages request (`messages_request`, pure, so `check_call` can refuse what
 it cannot translate before anything is queued) and Anthropic's answer back into relay
 events (`MessageReader`, sans-IO: fed one stream event, or one whole message, at a time).
+A client that spoke Messages itself gets its request passed on unchanged
+(`native_request`, SPEC A1a, A6): thinking blocks with their signatures, ``cache_control``,
+``context_management`` and the rest as sent, with its ``anthropic-version`` and
+``anthropic-beta`` headers; the answer's signatures and redacted thinking come back to it
+as ``reasoning_signature`` and ``redacted_thinking`` delta fields.
 
 Requests: system and developer messages become ``system``; user and assistant turns
 become content blocks (text; images from ``data:`` URLs as base64 sources and from
@@ -36,12 +41,13 @@ from typing import Any
 import attrs
 
 from relay.api.adapter import Capabilities
+from relay.api.fields import ACCOUNTING, EFFORT, LIMITS, OUTPUT, column
 from relay.api.http import HTTPSettings
 from relay.vocab.errors import RelayError, excerpt
 from relay.vocab.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
 from relay.vocab.profile import Profile
 
-from .anthropic_request import DEFAULT_MAX_TOKENS, messages_request
+from .anthropic_request import DEFAULT_MAX_TOKENS, messages_request, native_request
 from .base import upstream_failure
 from .cloud import CloudAdapter
 
@@ -139,10 +145,14 @@ class MessageReader:
                 out.append(self._args(index, json.dumps(block["input"])))
             return out
         if kind == "thinking":
-            thought = block.get("thinking")
-            return [Delta(extra={"reasoning_content": thought})] if thought else []
+            thought, signature = block.get("thinking"), block.get("signature")
+            out = [Delta(extra={"reasoning_content": thought})] if thought else []
+            if isinstance(signature, str) and signature:  # whole (non-streamed)
+                out.append(Delta(extra={"reasoning_signature": signature}))
+            return out
         if kind == "redacted_thinking":
-            return []
+            data = block.get("data")
+            return [Delta(extra={"redacted_thinking": data})] if isinstance(data, str) else []
         return [Skipped(f"content block of type {kind!r} not relayed")]
 
     def _args(self, index: int, partial: str) -> Delta:
@@ -159,7 +169,11 @@ class MessageReader:
         if kind == "thinking_delta":
             thought = delta.get("thinking")
             return [Delta(extra={"reasoning_content": thought})] if thought else []
-        if kind in ("signature_delta", "citations_delta"):
+        if kind == "signature_delta":
+            signature = delta.get("signature")
+            return [Delta(extra={"reasoning_signature": signature})] if isinstance(
+                signature, str) and signature else []
+        if kind == "citations_delta":
             return []
         return [Skipped(f"content_block_delta of type {kind!r} not relayed")]
 
@@ -227,12 +241,16 @@ class AnthropicAdapter(CloudAdapter):
     capabilities = Capabilities(tools=True, prefill=True)
     default_base_url = "https://api.anthropic.com/v1"
     default_key_env = "ANTHROPIC_API_KEY"
-    supported_params = frozenset({
-        "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop",
-        "tools", "tool_choice", "parallel_tool_calls", "user", "stream_options"})
-    neutral_params = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0,
-                      "logprobs": False, "response_format": {"type": "text"},
-                      "thinking": {"type": "disabled"}}
+    # SPEC A1a: it speaks Messages (a Messages request passes, unchanged); a chat
+    # request's fields are translated where Messages has them, hints it has not are
+    # dropped and reported, the rest refused.
+    fields = column(
+        speaks="anthropic",
+        translated=(*LIMITS, "temperature", "top_p", "top_k", "stop", "tools", "tool_choice",
+                    "parallel_tool_calls", "user", "stream_options"),
+        advisory=("presence_penalty", "frequency_penalty", "seed", *EFFORT,
+                  *(f for f in ACCOUNTING if f != "user")),
+        refused=("functions", "function_call", *(f for f in OUTPUT if f != "stop")))
 
     def key_headers(self, key: str) -> dict[str, str]:
         return {"x-api-key": key, "anthropic-version": ANTHROPIC_VERSION}
@@ -251,9 +269,9 @@ class AnthropicAdapter(CloudAdapter):
     def typical_call_s(cls, settings: Any) -> float:
         return 15.0
 
-    def check_call(self, call: Call) -> None:
-        super().check_call(call)
-        messages_request(call, self.settings.max_tokens)
+    def check_request(self, call: Call) -> None:
+        if native_request(call) is None:
+            messages_request(call, self.settings.max_tokens)
 
     async def models(self) -> list[str]:
         if self.provider.models_configured:
@@ -276,11 +294,24 @@ class AnthropicAdapter(CloudAdapter):
     async def run(self, call: Call, events: EventSink) -> None:
         self.refuse_without_key()
         events = self.bounded(events)
-        body, strip = messages_request(call, self.settings.max_tokens)
+        native = native_request(call)
+        body, strip = native or messages_request(call, self.settings.max_tokens)
         reader = MessageReader(self.name, strip)
         await self.post(f"{self.base_url}/messages", body, stream=call.stream,
                         read_stream=lambda resp: self._read_stream(resp, reader, events),
-                        read_whole=lambda text: self._emit_whole(text, reader, events))
+                        read_whole=lambda text: self._emit_whole(text, reader, events),
+                        headers=self._client_headers(call) if native else None)
+
+    def _client_headers(self, call: Call) -> dict[str, str]:
+        """The client's ``anthropic-version`` (instead of relay's) and ``anthropic-beta``
+        (with any the provider's ``headers`` set)."""
+        out = {k: v for k, v in call.inbound.headers.items() if k == "anthropic-version"}
+        own = [v for k, v in self.headers.items() if k.lower() == "anthropic-beta"]
+        betas = [b.strip() for value in (*own, call.inbound.headers.get("anthropic-beta"))
+                 for b in (value or "").split(",") if b.strip()]
+        if betas:
+            out["anthropic-beta"] = ",".join(dict.fromkeys(betas))
+        return out
 
     async def _read_stream(self, resp: Any, reader: MessageReader, events: EventSink) -> None:
         async def handle(name: str | None, data: str) -> bool:

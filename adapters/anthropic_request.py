@@ -1,5 +1,6 @@
-"""The Anthropic adapter's request: relay's call (OpenAI shapes) translated into a
-Messages API request, field by field (SPEC P1, A1a)."""
+"""The Anthropic adapter's request: a Messages request passed on as the client sent it
+(`native_request`), or relay's call (OpenAI shapes) translated into one, field by field
+(`messages_request`) (SPEC P1, A1a, A6)."""
 
 from __future__ import annotations
 
@@ -115,18 +116,12 @@ def _tool_choice(choice: Any) -> dict[str, Any]:
                      "use auto, none, required or a function", param="tool_choice")
 
 
-def messages_request(call: Call, default_max_tokens: int = DEFAULT_MAX_TOKENS
-                     ) -> tuple[dict[str, Any], str]:
-    """The Messages request for ``call``, and the whitespace cut from the end of a final
-    assistant message (a prefill), which the continuation will not repeat.
-
-    Raises:
-        RelayError: ``unsupported`` (a part or field it cannot send) or
-            ``invalid_request`` (tool arguments that are not JSON), naming the field.
-    """
+def _turns(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
+                                                   list[dict[str, Any]]]:
+    """relay's messages → Messages ``system`` blocks and alternating turns."""
     system: list[dict[str, Any]] = []
     turns: list[dict[str, Any]] = []
-    for i, message in enumerate(call.messages):
+    for i, message in enumerate(messages):
         where, role = f"messages[{i}]", message.get("role")
         content = message.get("content")
         if role in ("system", "developer"):
@@ -155,6 +150,12 @@ def messages_request(call: Call, default_max_tokens: int = DEFAULT_MAX_TOKENS
         else:
             raise _unsupported(f"a message with role {role!r}", where)
 
+    return system, turns
+
+
+def _strip_prefill(turns: list[dict[str, Any]]) -> str:
+    """Cut the whitespace from the end of a final assistant message (a prefill: Anthropic
+    refuses trailing whitespace there) and return what was cut."""
     stripped = ""
     last = turns[-1] if turns else None
     if last is not None and last["role"] == "assistant" and last["content"][-1]["type"] == \
@@ -169,6 +170,20 @@ def messages_request(call: Call, default_max_tokens: int = DEFAULT_MAX_TOKENS
             if not last["content"]:
                 turns.pop()
 
+    return stripped
+
+
+def messages_request(call: Call, default_max_tokens: int = DEFAULT_MAX_TOKENS
+                     ) -> tuple[dict[str, Any], str]:
+    """The Messages request for ``call``, and the whitespace cut from the end of a final
+    assistant message (a prefill), which the continuation will not repeat.
+
+    Raises:
+        RelayError: ``unsupported`` (a part or field it cannot send) or
+            ``invalid_request`` (tool arguments that are not JSON), naming the field.
+    """
+    system, turns = _turns(call.messages)
+    stripped = _strip_prefill(turns)
     params = call.params
     body: dict[str, Any] = {
         "model": call.model, "messages": turns,
@@ -196,3 +211,56 @@ def messages_request(call: Call, default_max_tokens: int = DEFAULT_MAX_TOKENS
     return body, stripped
 
 
+def native_request(call: Call) -> tuple[dict[str, Any], str] | None:
+    """The client's own Messages request for ``call`` (SPEC A1a *passed*), or None when
+    the client spoke another dialect: every field as sent — thinking blocks and their
+    signatures, ``cache_control``, ``context_management``, fields relay does not know —
+    with the provider's model name and the call's ``stream``. A continuation relay adds
+    (SPEC F8: messages after the body's own) is appended as assistant text. As in
+    `messages_request`, whitespace at the end of a final assistant text is cut (Anthropic
+    refuses it) and returned, for the continuation not to repeat it.
+    """
+    inbound = call.inbound
+    if inbound.dialect != "anthropic" or inbound.body is None:
+        return None
+    body = dict(inbound.body)
+    body["model"] = call.model
+    if call.stream:
+        body["stream"] = True
+    else:
+        body.pop("stream", None)
+    turns = list(body.get("messages") or ())
+    for i, message in enumerate(call.messages[inbound.turns:], start=len(turns)):
+        blocks = _blocks(message.get("content"), f"messages[{i}]", images=False)
+        if not blocks:
+            continue
+        if turns and turns[-1].get("role") == "assistant":
+            last = turns[-1]
+            turns[-1] = {**last, "content": _as_blocks(last.get("content")) + blocks}
+        else:
+            turns.append({"role": "assistant", "content": blocks})
+    stripped = ""
+    if turns and turns[-1].get("role") == "assistant":
+        last = turns[-1]
+        content = _as_blocks(last.get("content"))
+        if content and content[-1].get("type") == "text" and isinstance(
+                content[-1].get("text"), str):
+            text = content[-1]["text"]
+            kept = text.rstrip()
+            if kept != text:
+                stripped = text[len(kept):]
+                content[-1] = {**content[-1], "text": kept}
+                if not kept:
+                    content.pop()
+                turns[-1] = {**last, "content": content}
+                if not content:
+                    turns.pop()
+    body["messages"] = turns
+    return body, stripped
+
+
+def _as_blocks(content: Any) -> list[Any]:
+    """Messages content (a string or blocks) as a new list of blocks."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    return list(content) if isinstance(content, list) else []

@@ -104,14 +104,19 @@ class HTTPAdapter(Adapter):
 
     async def post(self, url: str, body: Any, *, stream: bool,
                    read_stream: Callable[[Response], Awaitable[None]],
-                   read_whole: Callable[[str], Awaitable[None]]) -> None:
+                   read_whole: Callable[[str], Awaitable[None]],
+                   headers: dict[str, str] | None = None) -> None:
         """POST ``body`` and hand the answer to ``read_stream`` (the open response) or
         ``read_whole`` (its text, at most ``max_upstream_bytes``). Inside ``async with
         client.stream``, so a stop closes the upstream connection; an error status becomes
-        its relay error."""
+        its relay error. ``headers`` are sent besides (over) the adapter's own."""
+        sent = self.headers
+        if headers:
+            over = {k.lower() for k in headers}
+            sent = {**{k: v for k, v in self.headers.items() if k.lower() not in over},
+                    **headers}
         with transport_errors(self.name, unreachable=self.unreachable_action()):
-            async with self._client.stream("POST", url, json=body,
-                                           headers=self.headers) as resp:
+            async with self._client.stream("POST", url, json=body, headers=sent) as resp:
                 if resp.status_code != 200:
                     raise await self.failed(resp)
                 if stream:

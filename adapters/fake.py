@@ -8,7 +8,8 @@ per request, through the model name's query part (``fake/echo?chunks=5&chunk_del
 - ``delay_s``: before the first chunk; ``chunk_delay_s``: before each further chunk;
 - ``fail``: a relay error reason to fail with, after ``fail_after`` chunks (default 0);
   ``cut``: end after ``cut_after`` chunks without a finish (a cut-off answer);
-- ``finish``: the finish reason (default ``stop``; ``max_tokens`` cuts with ``length``);
+- ``finish``: the finish reason (default ``stop``; ``max_tokens`` cuts with ``length``,
+  and a ``stop`` sequence ends the answer before it);
 - a call ending in an assistant message continues it (a prefill, SPEC F8);
 - ``ignore_stop_s``: on a stop, keep working (shielded, bounded) for this long, like a
   CLI tool that is slow to confirm its interrupt (SPEC L6).
@@ -27,6 +28,7 @@ import attrs
 import trio
 
 from relay.api.adapter import Adapter, Capabilities
+from relay.api.fields import ACCOUNTING, EFFORT, LIMITS, OUTPUT, SAMPLING, TOOLS, column
 from relay.vocab.errors import REASONS, RelayError
 from relay.vocab.events import Call, Delta, EventSink, Finish, Usage
 from relay.vocab.profile import Profile
@@ -52,10 +54,10 @@ class FakeAdapter(Adapter):
     Settings = FakeSettings
     # A call ending in an assistant message continues it.
     capabilities = Capabilities(prefill=True)
-    supported_params = frozenset({
-        "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
-        "user", "stream_options", "n", "metadata", "presence_penalty", "frequency_penalty",
-    })
+    # It bounds and stops its answer; it samples nothing (SPEC A1a).
+    fields = column(translated=(*LIMITS, "stop", "stream_options"),
+                    advisory=(*SAMPLING, *EFFORT, *ACCOUNTING),
+                    refused=(*TOOLS, *(f for f in OUTPUT if f != "stop")))
 
     def __init__(self, provider: Any) -> None:
         super().__init__(provider)
@@ -75,11 +77,7 @@ class FakeAdapter(Adapter):
     async def models(self) -> list[str]:
         return list(self.provider.models) or ["echo"]
 
-    def check_call(self, call: Call) -> None:
-        super().check_call(call)
-        if (call.params.get("n") or 1) != 1:  # null means the default, 1
-            raise RelayError("unsupported", f"provider {self.name!r} (fake) answers with one "
-                             "choice only; 'n' must be 1", provider=self.name, param="n")
+    def check_request(self, call: Call) -> None:
         self._knobs(call.model)
 
     def listed_name(self, model: str) -> str:
@@ -105,7 +103,7 @@ class FakeAdapter(Adapter):
 
     async def run(self, call: Call, events: EventSink) -> None:
         knobs = self._knobs(call.model)
-        pieces = _pieces(call, knobs)
+        pieces = _stopped(_pieces(call, knobs), call.params.get("stop"))
         limit = call.params.get("max_completion_tokens") or call.params.get("max_tokens")
         finish = knobs.get("finish", "stop")
         if isinstance(limit, int) and limit < len(pieces):
@@ -157,6 +155,25 @@ def _pieces(call: Call, knobs: dict[str, Any]) -> list[str]:
             seen += piece
         return out
     return pieces
+
+
+def _stopped(pieces: list[str], stop: Any) -> list[str]:
+    """The pieces up to the first stop sequence (which is not part of the answer)."""
+    stops = [stop] if isinstance(stop, str) else [s for s in stop or () if isinstance(s, str)]
+    text = "".join(pieces)
+    cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+    if cut < 0:
+        return pieces
+    out: list[str] = []
+    seen = 0
+    for piece in pieces:
+        if seen + len(piece) > cut:
+            if cut > seen:
+                out.append(piece[:cut - seen])
+            break
+        out.append(piece)
+        seen += len(piece)
+    return out
 
 
 def _answer(call: Call, knobs: dict[str, Any]) -> list[str]:

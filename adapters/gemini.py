@@ -37,6 +37,7 @@ from urllib.parse import quote
 import attrs
 
 from relay.api.adapter import Capabilities
+from relay.api.fields import ACCOUNTING, EFFORT, LIMITS, REFUSED, SAMPLING, Rule, column
 from relay.api.http import HTTPSettings
 from relay.vocab.errors import RelayError, excerpt
 from relay.vocab.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
@@ -184,14 +185,15 @@ class GeminiAdapter(CloudAdapter):
     capabilities = Capabilities(tools=True)
     default_base_url = "https://generativelanguage.googleapis.com/v1beta"
     default_key_env = "GEMINI_API_KEY"
-    supported_params = frozenset({
-        *GENERATION, "max_tokens", "max_completion_tokens", "stop", "response_format",
-        "tools", "tool_choice", "stream_options",
-        # An end-user id for the provider's abuse monitoring: Gemini has no such field,
-        # and leaving it out changes nothing in the answer (Anthropic clients always
-        # send one, as metadata.user_id).
-        "user"})
-    neutral_params = {"parallel_tool_calls": True, "logprobs": False}
+    # SPEC A1a: generation settings, limits, stops, JSON modes and tools are translated;
+    # Gemini calls tools in parallel anyway (parallel_tool_calls: true asks nothing).
+    fields = column(
+        translated=(*SAMPLING, "n", *LIMITS, "stop", "response_format", "tools",
+                    "tool_choice", "stream_options"),
+        advisory=(*EFFORT, *ACCOUNTING),
+        refused=("functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
+                 "modalities", "audio", "web_search_options", "moderation"),
+        rules={"parallel_tool_calls": Rule(REFUSED, neutral=lambda value, _: value is True)})
 
     def key_headers(self, key: str) -> dict[str, str]:
         return {"x-goog-api-key": key}
@@ -210,8 +212,7 @@ class GeminiAdapter(CloudAdapter):
     def typical_call_s(cls, settings: Any) -> float:
         return 15.0
 
-    def check_call(self, call: Call) -> None:
-        super().check_call(call)
+    def check_request(self, call: Call) -> None:
         gemini_request(call)
 
     def _url(self, model: str, method: str) -> str:

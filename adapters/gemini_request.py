@@ -154,6 +154,23 @@ def _response_format(fmt: Any) -> dict[str, Any]:
                      param="response_format")
 
 
+def _generation_config(params: dict[str, Any]) -> dict[str, Any]:
+    """relay's sampling and length params → ``generationConfig``."""
+    config: dict[str, Any] = {}
+    for ours, theirs in GENERATION.items():
+        if params.get(ours) is not None:
+            config[theirs] = params[ours]
+    limit = params.get("max_completion_tokens") or params.get("max_tokens")
+    if limit is not None:
+        config["maxOutputTokens"] = limit
+    stop = params.get("stop")
+    if stop is not None:
+        config["stopSequences"] = stop_sequences(stop)
+    if params.get("response_format") is not None:
+        config.update(_response_format(params["response_format"]))
+    return config
+
+
 def gemini_request(call: Call) -> dict[str, Any]:
     """The ``generateContent`` body for ``call``.
 
@@ -194,18 +211,7 @@ def gemini_request(call: Call) -> dict[str, Any]:
             raise _unsupported(f"a message with role {role!r}", where)
 
     params = call.params
-    config: dict[str, Any] = {}
-    for ours, theirs in GENERATION.items():
-        if params.get(ours) is not None:
-            config[theirs] = params[ours]
-    limit = params.get("max_completion_tokens") or params.get("max_tokens")
-    if limit is not None:
-        config["maxOutputTokens"] = limit
-    stop = params.get("stop")
-    if stop is not None:
-        config["stopSequences"] = stop_sequences(stop)
-    if params.get("response_format") is not None:
-        config.update(_response_format(params["response_format"]))
+    config = _generation_config(params)
     body: dict[str, Any] = {"contents": contents}
     if system:
         body["systemInstruction"] = {"parts": system}

@@ -1,7 +1,9 @@
 """Any OpenAI-compatible server: OpenAI, NVIDIA, DashScope (Qwen), LM Studio, Ollama, vLLM.
 
 The request goes upstream as the client sent it (fields relay does not interpret pass
-through, SPEC A1), with the model rewritten to the provider's own name. A streamed answer
+through, SPEC A1), with the model rewritten to the provider's own name. A request from
+another dialect (Messages) arrives translated into chat terms; its own fields never come
+here (SPEC A1a: `relay.api.fields`). A streamed answer
 is read line by line from ``async with client.stream(...)``, so a stop — client gone, run
 timeout, shutdown — leaves that block and closes the upstream connection at once, and a
 local server stops generating (no ghost queue, SPEC C2).
@@ -30,6 +32,7 @@ from typing import Any
 import attrs
 
 from relay.api.adapter import Capabilities
+from relay.api.fields import CHAT_FIELDS, PASSED, column
 from relay.api.http import HTTPSettings
 from relay.vocab.errors import RelayError, excerpt
 from relay.vocab.events import Call, Delta, EventSink, Finish, Skipped, Usage
@@ -88,6 +91,8 @@ class OpenAIAdapter(HTTPAdapter):
     kind = "openai"
     Settings = OpenAISettings
     capabilities = Capabilities(tools=True)
+    # It speaks OpenAI chat: every chat-level field passes, known or not (SPEC A1a).
+    fields = column(speaks="openai", unknown=PASSED, passed=CHAT_FIELDS)
 
     def __init__(self, provider: Any) -> None:
         super().__init__(provider)

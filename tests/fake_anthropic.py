@@ -14,6 +14,7 @@ Anthropic does, and scripts misbehaviour per model::
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -73,6 +74,8 @@ class FakeAnthropic(FakeServer):
         self.url = f"{self.base_url}/v1"
         self.scripts: dict[str, Script] = {}
         self.default = Script()
+        # Optional: the script for a request, chosen from its body; None: the scripts.
+        self.decide: Callable[[Any], Script | None] | None = None
         self.models = ["claude-test-1", "claude-test-2", "claude-test-3"]
         self.page_size = 2
         self.agent = False  # play an agent's model (agent_turns) for unscripted models
@@ -115,6 +118,8 @@ class FakeAnthropic(FakeServer):
                 script = Script(chunks=[], tool_uses=[{"id": f"toolu_{len(self.requests)}",
                                                        "name": name,
                                                        "input": json.loads(text)}])
+        decided = self.decide(req) if self.decide is not None else None
+        script = decided or script
         if script.hang:
             await trio.sleep_forever()
         if script.first_byte_delay_s:

@@ -145,7 +145,7 @@ async def test_system_prompt_and_transcript_reach_the_tool(
      "messages"),
     ({"n": 2}, "n"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"temperature": 0.2}, "temperature"),
+    ({"stop": ["END"]}, "stop"), ({"logprobs": True}, "logprobs"),
 ])
 async def test_unsupported_fields_are_refused_by_name(
         tmp_path: Path, client: httpx.AsyncClient, body: dict[str, Any], param: str) -> None:

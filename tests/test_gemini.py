@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import openai
@@ -184,10 +185,10 @@ REFUSED: dict[str, tuple[list[dict[str, Any]], dict[str, Any], str, str]] = {
                            "image_url": {"url": "https://x.test/a.png"}}])], {},
                    "unsupported", "messages"),
     "logprobs": ([user("hi")], {"logprobs": True}, "unsupported", "logprobs"),
-    "parallel_tool_calls false": ([user("hi")], {"parallel_tool_calls": False},
+    "parallel_tool_calls false": ([user("hi")], {"parallel_tool_calls": False,
+                                                 "tools": [TOOL]},
                                   "unsupported", "parallel_tool_calls"),
-    "reasoning_effort": ([user("hi")], {"reasoning_effort": "low"}, "unsupported",
-                         "reasoning_effort"),
+    "logit_bias": ([user("hi")], {"logit_bias": {"1": 5}}, "unsupported", "logit_bias"),
     "tool answer with no call": ([{"role": "tool", "tool_call_id": "nope", "content": "x"}],
                                  {}, "invalid_request", "messages"),
     "response_format unknown": ([user("hi")], {"response_format": {"type": "grammar"}},
@@ -202,6 +203,7 @@ def test_what_cannot_be_sent_is_refused_by_name(messages: list[dict[str, Any]],
                                                  param: str) -> None:
     adapter = object.__new__(GeminiAdapter)
     adapter.name = "gem"
+    adapter.provider = SimpleNamespace(strict_fields=False)
     with pytest.raises(RelayError) as info:
         adapter.check_call(call(messages, **params))
     assert (info.value.reason, info.value.param) == (reason, param)

@@ -108,12 +108,33 @@ REQUESTS: dict[str, tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]]
         {"max_tokens": 64, "tools": [{"type": "function", "function": {
             "name": "f", "parameters": {"type": "object"}, "description": "d"}}],
          "tool_choice": "required", "parallel_tool_calls": False}),
-    "tool_choice tool; unknown fields pass through": (
+    "tool_choice tool; the dialect's own fields stay out of the params": (
         body(tool_choice={"type": "tool", "name": "f"}, service_tier="auto",
              thinking={"type": "disabled"}),
         [{"role": "user", "content": "hello"}],
-        {"max_tokens": 64, "tool_choice": {"type": "function", "function": {"name": "f"}},
-         "service_tier": "auto", "thinking": {"type": "disabled"}}),
+        {"max_tokens": 64, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+    "a system message mid-conversation stays in its place": (
+        body(system="first", messages=[
+            {"role": "user", "content": "hello"},
+            {"role": "system", "content": [{"type": "text", "text": "env: linux",
+                                            "cache_control": {"type": "ephemeral"}}]},
+            {"role": "assistant", "content": "hi"},
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "and?"}]),
+        [{"role": "system", "content": "first"}, {"role": "user", "content": "hello"},
+         {"role": "system", "content": "env: linux"},
+         {"role": "assistant", "content": "hi"},
+         {"role": "system", "content": "be brief"}, {"role": "user", "content": "and?"}],
+        {"max_tokens": 64}),
+    "output_config.format becomes a JSON schema; tools keep strict": (
+        body(output_config={"format": {"type": "json_schema", "schema": {"type": "object"}},
+                            "effort": "low"},
+             tools=[{"name": "f", "input_schema": {"type": "object"}, "strict": True}]),
+        [{"role": "user", "content": "hello"}],
+        {"max_tokens": 64, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": {"type": "object"}, "strict": True}},
+         "tools": [{"type": "function", "function": {
+             "name": "f", "parameters": {"type": "object"}, "strict": True}}]}),
 }
 
 
@@ -136,8 +157,10 @@ INVALID: dict[str, tuple[Any, str | None, str]] = {
     "max_tokens 0": (body(max_tokens=0), "max_tokens", "'max_tokens'"),
     "max_tokens true": (body(max_tokens=True), "max_tokens", "'max_tokens'"),
     "no messages": (body(messages=[]), "messages", "non-empty"),
-    "system role in messages": (body(messages=[{"role": "system", "content": "x"}]),
-                                "messages", "messages[0].role"),
+    "tool role in messages": (body(messages=[{"role": "tool", "content": "x"}]),
+                              "messages", "messages[0].role"),
+    "system message content a number": (body(messages=[{"role": "system", "content": 3}]),
+                                        "messages", "messages[0].content"),
     "content a number": (body(messages=[{"role": "user", "content": 5}]), "messages",
                          "messages[0].content"),
     "block without type": (body(messages=[{"role": "user", "content": [{"text": "x"}]}]),

@@ -162,6 +162,9 @@ class FakeUpstream:
         self.default_script = Script()
         # Play an agent's model (agent_turns) for models without a script of their own.
         self.agent = False
+        # Optional: the script for a request, chosen from its body (an "agent" that calls
+        # a tool, then answers from the tool's result); None falls back to the scripts.
+        self.decide: Callable[[Any], Script | None] | None = None
         self.models: list[str] = list(models) if models is not None else ["m1"]
         self.requests: list[Recorded] = []
         self.connections: list[Conn] = []
@@ -436,6 +439,8 @@ class _Connection:
                 script = Script(chunks=[], tool_calls=[
                     {"id": f"call_{len(self.up.requests)}", "type": "function",
                      "function": {"name": name, "arguments": text}}])
+        decided = self.up.decide(req) if self.up.decide is not None else None
+        script = decided or script
         if script.hang:
             await trio.sleep_forever()
         if script.first_byte_delay_s > 0:

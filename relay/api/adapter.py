@@ -7,8 +7,11 @@ default). An instance serves one provider:
 
 - ``async with adapter:`` opens what it holds for its life (an HTTP client, a pool of
   warm processes) inside relay's own nursery;
-- ``check_call(call)`` refuses, before anything is queued, a request field it cannot
-  honour (``unsupported``, SPEC A1) — never dropping one silently;
+- ``admit(call)`` sorts the call's fields by the kind's column of the field policy
+  (``fields``, `relay.api.fields`, SPEC A1a) and its own checks (``check_request``):
+  it refuses, before anything is queued, a field it cannot honour (``unsupported``),
+  drops the advisory ones and says which (never dropping one silently), and returns the
+  call as the kind takes it; ``check_call(call)`` is the same, for its refusals only;
 - ``run(call, events)`` sends `relay.vocab.events` to ``events`` and returns when the
   answer is complete, or raises `RelayError`. Every await in it is cancellable, and a
   cancel closes the upstream (HTTP: by leaving ``async with client.stream``; CLI:
@@ -27,11 +30,12 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from relay.vocab.errors import RelayError
 from relay.vocab.events import Call, EventSink
 from relay.vocab.profile import Profile, ProviderConfig
 
-__all__ = ["Adapter", "Capabilities"]
+from .fields import Admitted, Column, admit, column
+
+__all__ = ["Adapter", "Admitted", "Capabilities"]
 
 
 @attrs.frozen(kw_only=True)
@@ -59,12 +63,9 @@ class Adapter:
     kind: ClassVar[str]
     Settings: ClassVar[type[Any]]
     capabilities: Capabilities = Capabilities()  # the kind's; an instance may set its own
-    # Request fields this kind can honour; None: everything passes through.
-    supported_params: ClassVar[frozenset[str] | None] = None
-    # Fields outside supported_params whose value asks for nothing this kind would do
-    # differently (``n = 1``, a penalty of 0): honoured by doing nothing. A null value
-    # is the field's default and always passes.
-    neutral_params: ClassVar[dict[str, Any]] = {}
+    # This kind's column of the field policy (SPEC A1a): every kind declares its own (a
+    # kind that does not refuses every field).
+    fields: ClassVar[Column] = column()
 
     def __init__(self, provider: ProviderConfig) -> None:
         self.provider = provider
@@ -125,19 +126,26 @@ class Adapter:
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         return None
 
+    def admit(self, call: Call) -> Admitted:
+        """``call`` as this provider takes it: sorted by the field policy (advisory fields
+        dropped and named; refused under the provider's ``strict_fields``), then checked
+        by `check_request`.
+
+        Raises:
+            RelayError: ``unsupported`` (or ``invalid_request``) naming the field.
+        """
+        admitted = admit(self.fields, call, provider=self.name, kind=self.kind,
+                         strict=self.provider.strict_fields)
+        self.check_request(admitted.call)
+        return admitted
+
     def check_call(self, call: Call) -> None:
-        """Raise ``unsupported`` for a field this kind cannot honour."""
-        if self.supported_params is None:
-            return
-        for key, value in call.params.items():
-            if key in self.supported_params or value is None:
-                continue
-            if key not in self.neutral_params or self.neutral_params[key] != value:
-                raise RelayError(
-                    "unsupported",
-                    f"provider {self.name!r} ({self.kind}) cannot honour the request field "
-                    f"{key!r}; remove it or choose another provider",
-                    provider=self.name, param=key)
+        """Raise ``unsupported`` for a field this kind cannot honour (`admit`'s refusals)."""
+        self.admit(call)
+
+    def check_request(self, call: Call) -> None:
+        """The kind's own checks of an admitted call: what it cannot translate (a content
+        part, a role). Pure; raises `RelayError`."""
 
     def listed_name(self, model: str) -> str:
         """The name under which ``model`` would be listed (the fake strips its options)."""

@@ -273,7 +273,8 @@ def _load_provider(
     if settings is not None:
         for key, message in adapter.settings_problems(settings):
             problems.append(f"[{where}] {key}: {message}")
-    models, prefill, check_model, interval = _common(where, common, adapter, problems)
+    models, prefill, strict_fields, check_model, interval = _common(where, common, adapter,
+                                                                   problems)
     overrides = structure_table(common.get("profile", {}), _ProfileTable,
                                 f"{where}.profile", problems)
     if settings is None or overrides is None or len(problems) > before:
@@ -285,7 +286,8 @@ def _load_provider(
         name=name, adapter=kind, profile=profile, settings=settings, models=models,
         models_configured=bool(models), prefill=prefill,
         check_interval_s=float(interval) if interval is not None else None,
-        check_model=check_model, secret_envs=tuple(adapter.secret_envs(settings)),
+        check_model=check_model, strict_fields=strict_fields,
+        secret_envs=tuple(adapter.secret_envs(settings)),
         secret_values=tuple(adapter.secret_values(settings)))
 
 
@@ -308,8 +310,9 @@ def _unknown_kind(where: str, kind: Any, table: dict[str, Any],
 
 
 def _common(where: str, common: dict[str, Any], adapter: Any, problems: list[str]
-            ) -> tuple[tuple[str, ...], bool, Any, Any]:
-    """The common keys every provider takes: (models, prefill, check_model, interval)."""
+            ) -> tuple[tuple[str, ...], bool, bool, Any, Any]:
+    """The common keys every provider takes: (models, prefill, strict_fields, check_model,
+    interval)."""
     models: tuple[str, ...] = ()
     if "models" in common:
         m = common["models"]
@@ -320,6 +323,9 @@ def _common(where: str, common: dict[str, Any], adapter: Any, problems: list[str
     prefill = common.get("prefill", adapter.capabilities.prefill)
     if not isinstance(prefill, bool):
         problems.append(f"[{where}] prefill: expected true or false")
+    strict_fields = common.get("strict_fields", False)
+    if not isinstance(strict_fields, bool):
+        problems.append(f"[{where}] strict_fields: expected true or false")
     check_model = common.get("check_model")
     if check_model is not None and not (isinstance(check_model, str) and check_model):
         problems.append(f"[{where}] check_model: must be a model name")
@@ -327,7 +333,7 @@ def _common(where: str, common: dict[str, Any], adapter: Any, problems: list[str
     if interval is not None and (isinstance(interval, bool)
                                  or not isinstance(interval, int | float) or interval <= 0):
         problems.append(f"[{where}] check_interval_s: must be a number of seconds > 0")
-    return models, prefill, check_model, interval
+    return models, prefill, strict_fields, check_model, interval
 
 
 def _profile(where: str, name: str, kind: str, adapter: Any, settings: Any,

@@ -56,7 +56,7 @@ class ServerConfig:
 
 
 COMMON_PROVIDER_KEYS = ("adapter", "models", "prefill", "check_interval_s", "check_model",
-                        "profile")
+                        "profile", "strict_fields")
 
 
 def _optional_positive(inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:

@@ -10,17 +10,25 @@ rendered back as Anthropic's. Translation tables:
 Messages request                relay (OpenAI shapes)
 ==============================  ==========================================================
 ``system`` (string or blocks)   a ``system`` message (blocks joined by blank lines)
+a ``system`` message (any       a ``system`` message in its place (Claude Code sends them
+place in ``messages``)          mid-conversation)
 text / image / document blocks  text / ``image_url`` (data: or http URL) / ``file`` parts
 ``tool_use`` (assistant)        ``tool_calls`` with JSON ``arguments``
 ``tool_result`` (user)          a ``tool`` message (``is_error``: its text says so)
-``thinking`` (assistant)        dropped: relay's providers do not take reasoning back
 ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``: the same
-``tools``, ``tool_choice``      function tools; auto/any/tool/none → auto/required/…/none
+``tools``, ``tool_choice``      function tools (``strict`` kept); auto/any/tool/none →
+                                auto/required/…/none
 ``metadata.user_id``            ``user``
+``output_config.format``        ``response_format`` (a JSON schema)
 ==============================  ==========================================================
 
-Other fields pass through to the provider as they came (an adapter that cannot honour
-one refuses it by name); ``n`` is refused here, since a message has one answer.
+Everything else is the dialect's own (SPEC A1a; `relay.api.fields.OWN_FIELDS`):
+``thinking``, ``context_management``, ``output_config.effort``, ``cache_control`` markers,
+thinking blocks passed back (``content.thinking``), … go in the call's
+`relay.vocab.events.Inbound` — never into the chat-level params — with the request
+itself, so the ``anthropic`` adapter gets the request unchanged (signatures byte for
+byte) and every other provider has them dropped and reported, or refused, by its column.
+``n`` is refused here, since a message has one answer.
 
 Errors keep relay's reason visible: ``{"type": "error", "error": {"type", "message",
 "relay": {…E1's relay object, "code", "param"}}}``, with the same HTTP statuses and headers
@@ -36,17 +44,40 @@ from relay.dialects.base import ChatInput
 from relay.dialects.openai_chat import INT_MAX, load_request
 from relay.dialects.openai_chat import bad_request as _bad
 from relay.vocab.errors import RelayError
+from relay.vocab.events import Inbound
 
 from .anthropic_render import STOP_REASONS, AnthropicRender, AnthropicStream
 
-__all__ = ["ANTHROPIC", "STOP_REASONS", "AnthropicDialect", "AnthropicStream",
-           "parse_messages_body"]
+__all__ = ["ANTHROPIC", "PASSED_HEADERS", "STOP_REASONS", "AnthropicDialect",
+           "AnthropicStream", "parse_messages_body"]
 
 
 _TOOL_CHOICE: dict[str, Any] = {"auto": "auto", "any": "required", "none": "none"}
-# The fields this dialect reads itself; everything else passes through.
-_OWN = {"model", "messages", "max_tokens", "system", "stream", "stop_sequences",
-        "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata", "fallbacks"}
+# The fields this dialect translates into chat terms; every other one is its own.
+_TRANSLATED = {"model", "messages", "max_tokens", "system", "stream", "stop_sequences",
+               "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata",
+               "fallbacks", "output_config"}
+# A tool's keys that chat-level tools have (the others are the dialect's own).
+_TOOL_KEYS = {"name", "description", "input_schema", "type", "strict", "cache_control"}
+# The headers a provider that speaks Messages gets as the client sent them.
+PASSED_HEADERS = ("anthropic-version", "anthropic-beta")
+
+
+class _Own:
+    """The dialect's own fields a request uses, as they are found (see `Inbound.own`)."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, Any] = {}
+
+    def note(self, name: str, value: Any = True) -> None:
+        if value is not None:
+            self.fields.setdefault(name, value)
+
+    def blocks(self, blocks: Any) -> None:
+        """Markers inside a list of blocks: ``cache_control``."""
+        for block in blocks if isinstance(blocks, list) else ():
+            if isinstance(block, dict) and block.get("cache_control") is not None:
+                self.note("cache_control")
 
 
 def _number(data: dict[str, Any], key: str, *, whole: bool = False) -> None:
@@ -98,7 +129,7 @@ def _tool_text(content: Any, where: str, is_error: bool) -> str:
     return f"Error: {text}" if is_error else text
 
 
-def _user_turn(content: list[Any], where: str) -> list[dict[str, Any]]:
+def _user_turn(content: list[Any], where: str, own: _Own) -> list[dict[str, Any]]:
     """One user turn's blocks → tool messages (first) and a user message."""
     tools: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
@@ -117,11 +148,12 @@ def _user_turn(content: list[Any], where: str) -> list[dict[str, Any]]:
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str):
                 raise _bad(f"{at}.tool_use_id must be a string", "messages")
+            own.blocks(block.get("content"))
             tools.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                           "content": _tool_text(block.get("content"), at,
                                                 block.get("is_error") is True)})
         elif kind in ("thinking", "redacted_thinking"):
-            continue
+            own.note(f"content.{kind}")
         else:
             raise RelayError("unsupported", f"{at}: relay cannot pass a {kind!r} block in a "
                              "user turn", param="messages")
@@ -132,7 +164,7 @@ def _user_turn(content: list[Any], where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant_turn(content: list[Any], where: str) -> dict[str, Any]:
+def _assistant_turn(content: list[Any], where: str, own: _Own) -> dict[str, Any]:
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(content):
@@ -147,7 +179,7 @@ def _assistant_turn(content: list[Any], where: str) -> dict[str, Any]:
             calls.append({"id": block["id"], "type": "function", "function": {
                 "name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
         elif kind in ("thinking", "redacted_thinking"):
-            continue
+            own.note(f"content.{kind}")
         else:
             raise RelayError("unsupported", f"{at}: relay cannot pass a {kind!r} block in "
                              "an assistant turn", param="messages")
@@ -171,23 +203,24 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     return content
 
 
-def _system(system: Any) -> str | None:
+def _system(system: Any, where: str = "system", param: str = "system") -> str | None:
     if system is None or isinstance(system, str):
         return system or None
     if not isinstance(system, list):
-        raise _bad("'system' must be a string or a list of text blocks", "system")
+        raise _bad(f"'{where}' must be a string or a list of text blocks", param)
     texts = []
     for i, block in enumerate(system):
         if not isinstance(block, dict) or block.get("type") != "text" or \
                 not isinstance(block.get("text"), str):
-            raise _bad(f"system[{i}] must be a text block", "system")
+            raise _bad(f"{where}[{i}] must be a text block", param)
         texts.append(block["text"])
     return "\n\n".join(texts) or None
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
+def _tools(tools: Any, own: _Own) -> list[dict[str, Any]]:
     if not isinstance(tools, list):
         raise _bad("'tools' must be a list", "tools")
+    own.blocks(tools)
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
@@ -201,8 +234,29 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         fn: dict[str, Any] = {"name": tool["name"], "parameters": schema}
         if isinstance(tool.get("description"), str):
             fn["description"] = tool["description"]
+        if isinstance(tool.get("strict"), bool):
+            fn["strict"] = tool["strict"]
+        for key in tool:
+            if key not in _TOOL_KEYS:
+                own.note(f"tools.{key}", tool[key])
         out.append({"type": "function", "function": fn})
     return out
+
+
+def _output_config(config: Any, params: dict[str, Any], own: _Own) -> None:
+    """``format`` → ``response_format``; the rest (``effort``) is the dialect's own."""
+    if not isinstance(config, dict):
+        raise _bad("'output_config' must be an object", "output_config")
+    for key, value in config.items():
+        if key != "format" or value is None:
+            own.note(f"output_config.{key}", value)
+            continue
+        if not isinstance(value, dict) or value.get("type") != "json_schema" or \
+                not isinstance(value.get("schema"), dict):
+            raise _bad("'output_config.format' must be {'type': 'json_schema', 'schema': "
+                       "{…}}", "output_config")
+        params["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": value["schema"], "strict": True}}
 
 
 def _tool_choice(choice: Any, params: dict[str, Any]) -> None:
@@ -219,8 +273,69 @@ def _tool_choice(choice: Any, params: dict[str, Any]) -> None:
         params["parallel_tool_calls"] = False
 
 
+def _messages(system: Any, raw: list[Any], own: _Own) -> list[dict[str, Any]]:
+    """``system`` and ``messages`` → relay's messages (system messages kept in place)."""
+    messages: list[dict[str, Any]] = []
+    own.blocks(system)
+    text = _system(system)
+    if text is not None:
+        messages.append({"role": "system", "content": text})
+    for i, message in enumerate(raw):
+        where = f"messages[{i}]"
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ("user", "assistant", "system"):
+            raise _bad(f"{where}.role must be 'user', 'assistant' or 'system'", "messages")
+        if role == "system":  # mid-conversation (Claude Code): a system message there
+            own.blocks(message.get("content"))
+            text = _system(message.get("content"), f"{where}.content", "messages")
+            if text is not None:
+                messages.append({"role": "system", "content": text})
+            continue
+        blocks = _blocks(message.get("content"), where)
+        own.blocks(blocks)
+        if role == "user":
+            messages += _user_turn(blocks, where, own)
+        else:
+            messages.append(_assistant_turn(blocks, where, own))
+
+    return messages
+
+
+def _params(data: dict[str, Any], max_tokens: int, own: _Own
+            ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The request's other fields → relay's params, and the client's names for the ones
+    renamed on the way (so a drop is reported under the name the client used)."""
+    params: dict[str, Any] = {"max_tokens": max_tokens}
+    names: dict[str, str] = {}
+    stop = data.get("stop_sequences")
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _bad("'stop_sequences' must be a list of strings", "stop_sequences")
+        if stop:
+            params["stop"], names["stop"] = stop, "stop_sequences"
+    for key in ("temperature", "top_p", "top_k"):
+        if data.get(key) is not None:
+            params[key] = data[key]
+    if data.get("tools") is not None:
+        params["tools"] = _tools(data["tools"], own)
+    if data.get("tool_choice") is not None:
+        _tool_choice(data["tool_choice"], params)
+        names["parallel_tool_calls"] = "tool_choice.disable_parallel_tool_use"
+    metadata = data.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise _bad("'metadata' must be an object", "metadata")
+        if isinstance(metadata.get("user_id"), str):
+            params["user"], names["user"] = metadata["user_id"], "metadata"
+    if data.get("output_config") is not None:
+        _output_config(data["output_config"], params, own)
+        names["response_format"] = "output_config.format"
+    return params, names
+
+
 def parse_messages_body(body: bytes) -> ChatInput:
-    """A Messages request → relay's `ChatInput`.
+    """A Messages request → relay's `ChatInput`: the chat-level translation, and the
+    request itself with its own fields in ``inbound``.
 
     Raises:
         RelayError: ``invalid_request`` naming the field; ``unsupported`` for blocks
@@ -235,7 +350,7 @@ def parse_messages_body(body: bytes) -> ChatInput:
     raw = data.get("messages")
     if not isinstance(raw, list) or not raw:
         raise _bad("'messages' must be a non-empty list of messages", "messages")
-    if not isinstance(data.get("stream", False), bool):
+    if data.get("stream") is not None and not isinstance(data["stream"], bool):  # null: no
         raise _bad("'stream' must be true or false", "stream")
     for key in ("temperature", "top_p"):
         _number(data, key)
@@ -243,49 +358,25 @@ def parse_messages_body(body: bytes) -> ChatInput:
     if "n" in data:
         raise _bad("'n' is not a Messages API field: a message has one answer", "n")
 
-    messages: list[dict[str, Any]] = []
-    system = _system(data.get("system"))
-    if system is not None:
-        messages.append({"role": "system", "content": system})
-    for i, message in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise _bad(f"{where}.role must be 'user' or 'assistant'", "messages")
-        blocks = _blocks(message.get("content"), where)
-        if message["role"] == "user":
-            messages += _user_turn(blocks, where)
-        else:
-            messages.append(_assistant_turn(blocks, where))
-
-    params: dict[str, Any] = {"max_tokens": max_tokens}
-    stop = data.get("stop_sequences")
-    if stop is not None:
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise _bad("'stop_sequences' must be a list of strings", "stop_sequences")
-        if stop:
-            params["stop"] = stop
-    for key in ("temperature", "top_p", "top_k"):
-        if data.get(key) is not None:
-            params[key] = data[key]
-    if data.get("tools") is not None:
-        params["tools"] = _tools(data["tools"])
-    if data.get("tool_choice") is not None:
-        _tool_choice(data["tool_choice"], params)
-    metadata = data.get("metadata")
-    if metadata is not None:
-        if not isinstance(metadata, dict):
-            raise _bad("'metadata' must be an object", "metadata")
-        if isinstance(metadata.get("user_id"), str):
-            params["user"] = metadata["user_id"]
-    params.update({k: v for k, v in data.items() if k not in _OWN})
+    own = _Own()
+    messages = _messages(data.get("system"), raw, own)
+    params, names = _params(data, max_tokens, own)
+    for key, value in data.items():
+        if key not in _TRANSLATED:
+            own.note(key, value)
+    inbound = Inbound(dialect="anthropic", own=own.fields, names=names,
+                      body={k: v for k, v in data.items() if k != "fallbacks"},
+                      turns=len(messages))
     return ChatInput(model=data["model"], messages=messages, stream=bool(data.get("stream")),
-                     params=params, fallbacks=data.get("fallbacks"), include_usage=True)
+                     params=params, fallbacks=data.get("fallbacks"), include_usage=True,
+                     inbound=inbound)
 
 
 class AnthropicDialect(AnthropicRender):
     """Requests and answers in Anthropic's Messages shapes."""
 
     name = "anthropic"
+    passed_headers = PASSED_HEADERS
 
     def parse(self, body: bytes) -> ChatInput:
         return parse_messages_body(body)

@@ -67,9 +67,13 @@ class AnthropicRender:
         choice = answer.choices.get(0) or {"message": {}, "finish_reason": None}
         message = choice["message"]
         content: list[dict[str, Any]] = []
-        if message.get("reasoning_content"):
-            content.append({"type": "thinking", "thinking": message["reasoning_content"],
-                            "signature": ""})
+        if message.get("reasoning_content") or message.get("reasoning_signature"):
+            # The signature is the provider's (Anthropic), byte for byte, or none.
+            content.append({"type": "thinking",
+                            "thinking": message.get("reasoning_content") or "",
+                            "signature": message.get("reasoning_signature") or ""})
+        if isinstance(message.get("redacted_thinking"), str):
+            content.append({"type": "redacted_thinking", "data": message["redacted_thinking"]})
         if message.get("content"):
             content.append({"type": "text", "text": message["content"]})
         for k, call in enumerate(message.get("tool_calls") or ()):
@@ -142,11 +146,22 @@ class AnthropicStream:
         if event.index != 0:
             return b""  # a message has one answer (n is refused on the way in)
         out = self._start()
-        reasoning = (event.extra or {}).get("reasoning_content")
+        extra = event.extra or {}
+        reasoning = extra.get("reasoning_content")
         if isinstance(reasoning, str) and reasoning:
             out += self._open(("thinking", 0), {"type": "thinking", "thinking": "",
                                                 "signature": ""})
             out += self._delta({"type": "thinking_delta", "thinking": reasoning})
+        signature = extra.get("reasoning_signature")
+        if isinstance(signature, str) and signature:  # ends its thinking block
+            out += self._open(("thinking", 0), {"type": "thinking", "thinking": "",
+                                                "signature": ""})
+            out += self._delta({"type": "signature_delta", "signature": signature})
+            out += self._close()
+        redacted = extra.get("redacted_thinking")
+        if isinstance(redacted, str):
+            out += self._close() + self._open(("redacted", 0), {
+                "type": "redacted_thinking", "data": redacted}) + self._close()
         if event.content:
             out += self._open(("text", 0), {"type": "text", "text": ""})
             out += self._delta({"type": "text_delta", "text": event.content})

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import attrs
 
 from relay.vocab.errors import RelayError
-from relay.vocab.events import Delta, Finish, Usage
+from relay.vocab.events import Delta, Finish, Inbound, Usage
 
 __all__ = ["Answer", "ChatInput", "Dialect", "StreamEncoder", "dumps", "merge_delta",
            "new_choice"]
@@ -27,7 +27,8 @@ def dumps(obj: Any) -> bytes:
 @attrs.define(kw_only=True)
 class ChatInput:
     """A chat request in relay's own terms (OpenAI's message shapes), whatever dialect
-    it arrived in."""
+    it arrived in; ``inbound``: what the field policy needs of the client's own request
+    (SPEC A1a, `relay.vocab.events.Inbound`)."""
 
     model: str
     messages: list[dict[str, Any]]
@@ -38,6 +39,7 @@ class ChatInput:
     # The request as a client of the Responses API sent it, for a provider that speaks
     # Responses itself (SPEC A7); None for every other dialect.
     responses: dict[str, Any] | None = None
+    inbound: Inbound = attrs.field(factory=Inbound)
 
 
 @attrs.define(kw_only=True)

@@ -173,7 +173,7 @@ def parse_chat_body(body: bytes) -> dict[str, Any]:
                            "messages")
             if part["type"] == "text" and not isinstance(part.get("text"), str):
                 raise bad_request(f"messages[{i}].content[{j}].text must be a string", "messages")
-    if not isinstance(data.get("stream", False), bool):
+    if data.get("stream") is not None and not isinstance(data["stream"], bool):  # null: no
         raise bad_request("'stream' must be true or false", "stream")
     for key in ("max_tokens", "max_completion_tokens", "n"):
         value = data.get(key)

@@ -103,11 +103,12 @@ class Dispatcher:
                     "(its provider has prefill off)", provider=target.provider.name))
                 continue
             try:
-                target.provider.adapter.check_call(call)
+                admitted = target.provider.adapter.admit(call)  # the field policy (A1a)
             except RelayError as exc:        # skipped, recorded as unsupported (F2)
                 self._skip(target, exc)
                 last = last or exc
                 continue
+            call = admitted.call
             for attempt_no in range(1 + self.plan.retries):
                 if trio.current_time() >= deadline:
                     return self._final(RelayError(
@@ -117,7 +118,7 @@ class Dispatcher:
                         action=self.plan.timeout_action("budget_exhausted", target)), original)
                 # The writer hears of the attempt first; only then is it counted (the
                 # record, the log): a request stopped before it began shows no attempt.
-                await out.send(AttemptStarted(target.name, continues=sent.any))
+                await out.send(AttemptStarted(target.name, sent.any, admitted.ignored))
                 self._note_fallback(target, attempt_no, last)
                 run = await self._attempt(nursery, out, target, call, sent, deadline)
                 if run.error is None:
@@ -133,9 +134,9 @@ class Dispatcher:
                                 "%g s does not fit what bounds the request",
                                 self.record.id, target.name, wait)
                     break                     # fall back at once, or fail with it
-                call = self._call_for(target, sent)
-                if call is None:
+                if (retry := self._call_for(target, sent)) is None:
                     break
+                call = attrs.evolve(retry, params=call.params, inbound=call.inbound)
                 await trio.sleep(wait)
             assert last is not None
             if last.reason not in FALLBACK_ON:

@@ -29,7 +29,7 @@ from relay.engine.lanes import PRIORITIES
 from relay.engine.plan import Plan, make_plan
 from relay.engine.stops import RequestStop
 from relay.vocab.errors import RelayError
-from relay.vocab.events import Call
+from relay.vocab.events import Call, Inbound
 
 from .asgi import header
 from .exchange import Exchange
@@ -48,6 +48,30 @@ def priority_of(exchange: Exchange) -> str:
                          f"{', '.join(PRIORITIES)}, not {priority!r}")
     exchange.record.priority = priority
     return priority
+
+
+def inbound_of(exchange: Exchange, inbound: Inbound) -> Inbound:
+    """The client's request with the headers its dialect passes to a provider that speaks
+    it (``anthropic-version``, ``anthropic-beta``: SPEC A6)."""
+    names: tuple[str, ...] = getattr(exchange.dialect, "passed_headers", ())
+    headers = {n: v for n in names if (v := header(exchange.scope, n.encode())) is not None}
+    return attrs.evolve(inbound, headers=headers) if headers else inbound
+
+
+def prompt_chars(messages: list[dict[str, Any]]) -> int:
+    """The conversation's size in characters, for a usage estimate (SPEC A1a)."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(str(p.get("text") or "")) for p in content if isinstance(p, dict))
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                total += len(str(function.get("arguments") or ""))
+    return total
 
 
 def refuse_when_draining(exchange: Exchange) -> None:
@@ -79,10 +103,12 @@ class Chat:
         record.provider, record.model = primary.provider.name, primary.model
         call = Call(request_id=record.id, provider=primary.provider.name, model=primary.model,
                     messages=chat.messages, stream=chat.stream, params=chat.params,
-                    responses=chat.responses)
+                    responses=chat.responses,
+                    inbound=inbound_of(exchange, chat.inbound))
         if len(plan.targets) == 1:
             primary.provider.adapter.check_call(call)  # a plain 400, before anything else
         exchange.include_usage = chat.include_usage
+        exchange.prompt_chars = prompt_chars(chat.messages)
         exchange.progress_events = (
             (header(exchange.scope, b"x-relay-progress") or "").strip() == "events")
         self.call, self.plan = call, plan

@@ -92,12 +92,18 @@ class Exchange:
         self.request_scope = trio.CancelScope()  # the request's nursery's, once it runs
         self.include_usage = False
         self.progress_events = False
+        # SPEC A1a: the advisory fields the target dropped, as X-Relay-Ignored-Fields when
+        # the headers go out; and the prompt's size, should relay have to estimate usage.
+        self.ignored_fields: tuple[str, ...] = ()
+        self.prompt_chars = 0
         # The record is written before the last byte goes out whenever it is final by
         # then (relay.vocab.records says what a record claims): ``_final`` settles it and
         # says whether it is.
         self.recorded = False
         self._final: Callable[[], bool] = lambda: False
-        self.extra_headers: list[tuple[bytes, bytes]] = []  # on the answer, whatever it is
+        # Fields the dialect's own translation dropped (the Responses API's), reported with
+        # the target's own drops (``ignored_fields``, SPEC A1a).
+        self.dialect_ignored: tuple[str, ...] = ()
 
     # --- the phase ------------------------------------------------------------------------
     def advance(self, phase: Phase) -> None:
@@ -122,9 +128,6 @@ class Exchange:
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.advance(Phase.HEADERS_SENT)
-            if self.extra_headers:
-                message = {**message, "headers": [*message.get("headers", ()),
-                                                  *self.extra_headers]}
         elif not message.get("more_body"):
             self.advance(Phase.ANSWERED)  # from here on, a disconnect is the normal end
             if not self.recorded and self._final():
@@ -134,7 +137,17 @@ class Exchange:
 
     async def send_json(self, status: int, obj: Any,
                         headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        await send_json(self.send, status, obj, headers)
+        await send_json(self.send, status, obj, [*(headers or ()), *self._ignored_header()])
+
+    def all_ignored(self) -> list[str]:
+        """Every field dropped and reported for this answer, the dialect's first."""
+        return list(dict.fromkeys([*self.dialect_ignored, *self.ignored_fields]))
+
+    def _ignored_header(self) -> list[tuple[bytes, bytes]]:
+        ignored = self.all_ignored()
+        if not ignored:
+            return []
+        return [(b"x-relay-ignored-fields", ", ".join(ignored).encode())]
 
     async def send_error(self, error: RelayError) -> None:
         await send_error(self.send, error, self.dialect)
@@ -145,7 +158,8 @@ class Exchange:
             await self.bounded_send({"type": "http.response.start", "status": 200,
                                      "headers": [
                 (b"content-type", b"text/event-stream; charset=utf-8"),
-                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+                *self._ignored_header()]})
 
     async def write(self, data: bytes, *, more: bool = True) -> None:
         """One piece of a stream, headers first if they are not out yet; bounded."""

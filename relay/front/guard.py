@@ -37,7 +37,7 @@ from relay.vocab.records import Record
 
 from .asgi import RELAY_ROUTES, Message, Receive, Scope, Send, header, send_error
 
-__all__ = ["ACCESS_LOG", "Guard"]
+__all__ = ["ACCESS_LOG", "Guard", "dialect_for"]
 
 ACCESS_LOG = "relay.access"
 access_log = logging.getLogger(ACCESS_LOG)
@@ -65,6 +65,15 @@ def _host_name(host: str) -> str | None:
     if port and not (port[0] == ":" and port[1:].isascii() and port[1:].isdigit()):
         return None
     return name
+
+
+def dialect_for(path: str) -> Dialect:
+    """The dialect of the relay route a path is or lies under (``/v1/messages/…`` is
+    Anthropic's: SPEC A6, every error there Anthropic-shaped), else OpenAI's."""
+    for route, dialect in RELAY_ROUTES.items():
+        if path == route or path.startswith(route + "/"):
+            return dialect
+    return OPENAI
 
 
 class Guard:
@@ -106,7 +115,8 @@ class Guard:
         if origin is not None and origin in self.origins:
             extra += [(b"access-control-allow-origin", origin.encode()), (b"vary", b"origin"),
                       (b"access-control-expose-headers",
-                       b"x-relay-request-id, retry-after, x-should-retry")]
+                       b"x-relay-request-id, retry-after, x-should-retry, "
+                       b"x-relay-ignored-fields")]
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -116,7 +126,7 @@ class Guard:
                 exchange.bytes_out += len(message.get("body", b""))
             await send(message)
 
-        dialect = RELAY_ROUTES.get(scope["path"], OPENAI)
+        dialect = dialect_for(scope["path"])
         refusal = self._refusal(scope, origin)
         if refusal is not None:
             self._record(scope, refusal)

@@ -89,9 +89,8 @@ class ResponsesChat(Chat):
         if translation.problems:
             raise translation.problems[0]
         if translation.ignored:
-            exchange.record.ignored_fields = list(translation.ignored)
-            exchange.extra_headers.append(
-                (b"x-relay-ignored-fields", ", ".join(translation.ignored).encode()))
+            exchange.dialect_ignored = tuple(translation.ignored)
+            exchange.record.ignored_fields = exchange.all_ignored()
 
 
 async def serve_stored(relay: Engine, scope: Scope, send: Send) -> None:

@@ -12,7 +12,11 @@ the timing and the rules that are the same for every dialect:
   ``heartbeat_s`` while nothing flows (SPEC A2, C3);
 - ready events are coalesced into one ``send`` (hypercorn's cost is per send);
 - a failure after the headers goes in-band and the stream ends without its "done" marker;
-  a channel that ends without `Ended` is an internal error, never a silent end.
+  a channel that ends without `Ended` is an internal error, never a silent end;
+- the advisory fields the attempt's target dropped (SPEC A1a) go in the record and in
+  ``X-Relay-Ignored-Fields`` when the headers go out; a later attempt that drops others
+  says so in an SSE comment; a stream that asked for usage gets relay's estimate, marked
+  ``estimated``, when the provider reported none.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ class Responder(Protocol):
     server: ServerConfig
     include_usage: bool
     progress_events: bool
+    ignored_fields: tuple[str, ...]
+    dialect_ignored: tuple[str, ...]
+    prompt_chars: int
 
     @property
     def headers_sent(self) -> bool: ...
@@ -66,6 +73,7 @@ class Responder(Protocol):
     async def send_error(self, error: RelayError) -> None: ...
     def fail(self, error: RelayError) -> None: ...
     async def write(self, data: bytes, *, more: bool = True) -> None: ...
+    def all_ignored(self) -> list[str]: ...
 
 
 class _Writer:
@@ -89,6 +97,35 @@ class _Writer:
         self.request.fail(error)
         await self.request.send_error(error)
 
+    def _ignored(self, event: AttemptStarted) -> bytes:
+        """The target's dropped fields: in the record, and in the headers while they are
+        not out; after, an SSE comment when they differ from what the headers said."""
+        if not self.request.headers_sent:
+            self.request.ignored_fields = event.ignored
+            self.record.ignored_fields = self.request.all_ignored()
+            return b""
+        self.record.ignored_fields = list(dict.fromkeys(
+            [*self.request.dialect_ignored, *event.ignored]))
+        if event.ignored == self.request.ignored_fields:
+            return b""
+        self.request.ignored_fields = event.ignored
+        names = ", ".join(event.ignored) or "none"
+        return f": relay: {event.model} ignores the request fields: {names}\n\n".encode()
+
+
+def _chars(delta: Delta) -> int:
+    """A delta's answer characters (text and tool-call arguments)."""
+    total = len(delta.content or "")
+    for call in delta.tool_calls or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            total += len(function["arguments"])
+    return total
+
+
+def _estimate(chars: int) -> int:
+    return (chars + 3) // 4  # about four characters a token
+
 
 class JSONWriter(_Writer):
     """A plain answer: nothing is sent until the outcome is known (SPEC A2)."""
@@ -104,6 +141,7 @@ class JSONWriter(_Writer):
                     event.reason)
             elif isinstance(event, AttemptStarted):
                 self.model = event.model
+                self._ignored(event)
                 if not event.continues:  # whatever an earlier attempt produced is void
                     choices.clear()
                     usage = self.record.usage = None
@@ -136,6 +174,8 @@ class StreamWriter(_Writer):
         self.encoder = self.dialect.encoder(self.record.id, self.created,
                                             request.include_usage)
         self.encoder.begin(model)
+        self.usage_seen = False
+        self.answer_chars = 0  # of this attempt's answer, for a usage estimate
 
     async def _write(self, data: bytes, *, more: bool = True) -> None:
         await self.request.write(data, more=more)  # headers first; bounded (SPEC C3)
@@ -189,17 +229,21 @@ class StreamWriter(_Writer):
             for event in batch:
                 if isinstance(event, Delta):
                     out += encoder.delta(event)
+                    self.answer_chars += _chars(event)
                 elif isinstance(event, Finish):
                     out += encoder.finish(event)
                 elif isinstance(event, Usage):
                     encoder.set_usage(event)
+                    self.usage_seen = True
                     self._note(event)
                 elif isinstance(event, AttemptStarted):
                     self.model = event.model
+                    out += self._ignored(event)
                     if not event.continues:
                         encoder.begin(event.model)
                         self.record.usage = None
                         self.record.recovered = False
+                        self.usage_seen, self.answer_chars = False, 0
                 elif isinstance(event, Queued):
                     self.queued_on = event.statistics
                     self.queued_at = trio.current_time()
@@ -222,6 +266,13 @@ class StreamWriter(_Writer):
                 out += encoder.error(ended.error)
                 await self._write(bytes(out), more=False)
                 return
+            if self.request.include_usage and not self.usage_seen:
+                # Asked for usage, and the provider reported none: relay's estimate.
+                prompt = _estimate(self.request.prompt_chars)
+                completion = _estimate(self.answer_chars)
+                usage = Usage(prompt, completion, prompt + completion, estimated=True)
+                encoder.set_usage(usage)
+                self._note(usage)
             out += encoder.done()
             await self._write(bytes(out), more=False)
             return

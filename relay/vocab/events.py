@@ -16,7 +16,32 @@ import attrs
 from relay.vocab.errors import RelayError
 
 __all__ = ["AttemptStarted", "Call", "Delta", "Ended", "Event", "EventSink", "Finish",
-           "LaneStatistics", "Queued", "Recovered", "Skipped", "Started", "Usage"]
+           "Inbound", "LaneStatistics", "Queued", "Recovered", "Skipped", "Started", "Usage"]
+
+
+@attrs.frozen(kw_only=True)
+class Inbound:
+    """The client's own request, as far as the field policy (SPEC A1a) needs it beyond the
+    chat-level ``params`` its dialect translated it into.
+
+    dialect: the client's dialect (``openai`` chat, ``anthropic`` Messages, …). own: its
+    fields that have no chat-level equivalent (Messages' ``thinking``,
+    ``context_management``, …; nested ones by a dotted name, ``content.thinking``), which
+    never reach a provider of another dialect. names: a chat-level param → the client's
+    name for it where they differ (``stop`` ← ``stop_sequences``), so that what relay
+    reports names the client's field. body, headers: the request as the client sent it
+    (relay's own fields removed) and the headers of its dialect (``anthropic-beta``), for
+    a provider that speaks that dialect: it gets them unchanged. turns: how many of the
+    call's messages that body's conversation makes (a continuation relay adds, SPEC F8,
+    comes after them).
+    """
+
+    dialect: str = "openai"
+    own: dict[str, Any] = attrs.field(factory=dict)
+    names: dict[str, str] = attrs.field(factory=dict)
+    body: dict[str, Any] | None = None
+    headers: dict[str, str] = attrs.field(factory=dict)
+    turns: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -24,8 +49,11 @@ class Call:
     """One attempt's request, as an adapter sees it.
 
     ``params`` holds every request field relay does not interpret itself (``max_tokens``,
-    ``tools``, ``response_format``, ``seed``, …), exactly as the client sent them, so an
-    OpenAI-compatible adapter can pass them through unchanged (SPEC A1).
+    ``tools``, ``response_format``, ``seed``, …) in OpenAI's chat terms, exactly as the
+    client sent them (or as its dialect translated them), so an OpenAI-compatible adapter
+    can pass them through unchanged (SPEC A1). ``inbound`` is the rest of what the client
+    sent (`Inbound`). Once an adapter has admitted a call (`relay.api.fields`), ``params``
+    holds only what it honours.
     """
 
     request_id: str
@@ -38,6 +66,7 @@ class Call:
     # adapter that speaks Responses itself (``Capabilities.responses``: passed through);
     # every other adapter answers ``messages`` and ``params``, its translation (SPEC A7).
     responses: dict[str, Any] | None = None
+    inbound: Inbound = attrs.field(factory=Inbound)
 
 
 @attrs.frozen(slots=True)
@@ -62,12 +91,21 @@ class Finish:
 
 @attrs.frozen(slots=True)
 class Usage:
+    """Token counts. ``estimated``: relay's own estimate, for a provider that reported none
+    (SPEC A1a: ``stream_options.include_usage`` is honoured for every provider)."""
+
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     total_tokens: int | None = None
+    estimated: bool = False
 
-    def as_dict(self) -> dict[str, int | None]:
-        return attrs.asdict(self)
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompt_tokens": self.prompt_tokens,
+                               "completion_tokens": self.completion_tokens,
+                               "total_tokens": self.total_tokens}
+        if self.estimated:
+            out["estimated"] = True
+        return out
 
 
 @attrs.frozen(slots=True)
@@ -129,6 +167,9 @@ class AttemptStarted:
 
     model: str  # "provider/model", as the answer reports it
     continues: bool
+    # The client's advisory fields this target drops (SPEC A1a), for the answer's
+    # X-Relay-Ignored-Fields and the record.
+    ignored: tuple[str, ...] = ()
 
 
 @attrs.frozen(slots=True)

@@ -71,6 +71,7 @@ class ProviderConfig:
     prefill: bool = False
     check_interval_s: float | None = None  # periodic connection checks (off by default)
     check_model: str | None = None  # the model a check asks (default: the first known)
+    strict_fields: bool = False  # refuse advisory request fields instead of dropping them (A1a)
     max_upstream_bytes: int = MAX_UPSTREAM_BYTES  # [server] max_upstream_bytes (SPEC O5)
     # What must never leave relay (SPEC E1): the variables holding this provider's key,
     # and the secret values its settings hold (headers, proxy, CLI env). Read by

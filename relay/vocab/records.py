@@ -106,12 +106,13 @@ class Record:
     run_ms: float | None = None
     recovered: bool = False
     usage: dict[str, Any] | None = None
+    # The client's advisory fields the answering target dropped (SPEC A1a).
+    ignored_fields: list[str] = attrs.field(factory=list)
     fallback_triggered: bool = False
     stop_requested_at: float | None = None
     released_at: float | None = None
     attempts: list[Attempt] = attrs.field(factory=list)
     skipped_events: list[str] = attrs.field(factory=list)
-    ignored_fields: list[str] = attrs.field(factory=list)  # advisory fields dropped (A1a)
 
     def as_json(self, clock: Clock) -> dict[str, Any]:
         out = attrs.asdict(self, recurse=False)

@@ -1,0 +1,402 @@
+"""The field policy (SPEC A1a): every field of every dialect, through every adapter kind.
+
+First the table itself: every known field has a treatment in every adapter kind's column
+(a field added to a dialect without one fails here), and the treatments SPEC A1a names
+are the ones the columns give. Then the walk, through the assembled relay: every field of
+the OpenAI chat dialect and of the Messages dialect, sent to a provider of every kind
+(fake upstreams behind the HTTP adapters, the fake CLI tools behind the CLI ones), must be
+refused by name, or answered — its advisory drops named in ``X-Relay-Ignored-Fields`` —
+and nothing of one dialect may reach a provider of another raw: what each fake upstream
+received is checked against that upstream's own dialect.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from cli_procs import FAKE_CLI, open_cli_relay
+from fake_anthropic import KEY as ANTHROPIC_KEY
+from fake_anthropic import FakeAnthropic, serve_fake_anthropic
+from fake_gemini import KEY as GEMINI_KEY
+from fake_gemini import FakeGemini, serve_fake_gemini
+from upstream import FakeUpstream, serve_fake_upstream
+
+from relay import Served
+from relay.adapters import ADAPTERS
+from relay.api.fields import (
+    ADVISORY,
+    CHAT_FIELDS,
+    NEUTRAL,
+    OWN_FIELDS,
+    PASSED,
+    REFUSED,
+    RELAY_FIELDS,
+    TRANSLATED,
+    admit,
+)
+from relay.dialects.anthropic_messages import parse_messages_body
+from relay.dialects.openai_chat import OPENAI
+from relay.vocab.errors import RelayError
+from relay.vocab.events import Call
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {}}}}
+ATOOL = {"name": "f", "input_schema": {"type": "object", "properties": {}}}
+HISTORY = [{"role": "user", "content": "hi there"}]
+
+# An example that asks for something, for every chat-level field (the field first; any
+# companion it needs after it). Values are distinctive, so a leak is found by its value.
+CHAT_EXAMPLES: dict[str, dict[str, Any]] = {
+    "temperature": {"temperature": 0.123}, "top_p": {"top_p": 0.456},
+    "top_k": {"top_k": 17}, "presence_penalty": {"presence_penalty": 0.31},
+    "frequency_penalty": {"frequency_penalty": 0.32}, "seed": {"seed": 424242},
+    "reasoning_effort": {"reasoning_effort": "low"}, "verbosity": {"verbosity": "high"},
+    "user": {"user": "user-7"}, "metadata": {"metadata": {"tag": "meta-7"}},
+    "safety_identifier": {"safety_identifier": "safety-7"}, "store": {"store": True},
+    "service_tier": {"service_tier": "flex"},
+    "prompt_cache_key": {"prompt_cache_key": "cache-key-7"},
+    "prompt_cache_retention": {"prompt_cache_retention": "24h"},
+    "prompt_cache_options": {"prompt_cache_options": {"mode": "explicit"}},
+    "prediction": {"prediction": {"type": "content", "content": "predicted-7"}},
+    "max_tokens": {"max_tokens": 77}, "max_completion_tokens": {"max_completion_tokens": 78},
+    "stream_options": {"stream_options": {"include_usage": True}},
+    "tools": {"tools": [TOOL]}, "tool_choice": {"tool_choice": "required"},
+    "parallel_tool_calls": {"parallel_tool_calls": False, "tools": [TOOL]},
+    "functions": {"functions": [{"name": "g", "parameters": {"type": "object"}}]},
+    "function_call": {"function_call": "auto",
+                      "functions": [{"name": "g", "parameters": {"type": "object"}}]},
+    "stop": {"stop": ["STOP-7"]}, "n": {"n": 2}, "logprobs": {"logprobs": True},
+    "top_logprobs": {"top_logprobs": 3, "logprobs": True},
+    "logit_bias": {"logit_bias": {"50256": -100}},
+    "response_format": {"response_format": {"type": "json_object"}},
+    "modalities": {"modalities": ["text", "audio"]},
+    "audio": {"audio": {"voice": "alloy", "format": "wav"}},
+    "web_search_options": {"web_search_options": {"search_context_size": "low"}},
+    "moderation": {"moderation": {"mode": "block"}},
+}
+# Messages fields: the dialect's own, and those it translates into chat terms.
+THINKING = {"role": "assistant", "content": [
+    {"type": "thinking", "thinking": "hmm", "signature": "sig-7"},
+    {"type": "text", "text": "so"}]}
+OWN_EXAMPLES: dict[str, dict[str, Any]] = {
+    "thinking": {"thinking": {"type": "enabled", "budget_tokens": 2048}},
+    "content.thinking": {"messages": [*HISTORY, THINKING, *HISTORY]},
+    "content.redacted_thinking": {"messages": [*HISTORY, {"role": "assistant", "content": [
+        {"type": "redacted_thinking", "data": "redacted-7"}]}, *HISTORY]},
+    "cache_control": {"system": [{"type": "text", "text": "sys",
+                                  "cache_control": {"type": "ephemeral"}}]},
+    "context_management": {"context_management": {"edits": [
+        {"type": "clear_thinking_20251015", "keep": "all"}]}},
+    "output_config.effort": {"output_config": {"effort": "high"}},
+    "service_tier": {"service_tier": "standard_only"}, "inference_geo": {"inference_geo": "us"},
+    "speed": {"speed": "fast"}, "diagnostics": {"diagnostics": {"previous_message_id": "m"}},
+    "user_profile_id": {"user_profile_id": "profile-7"},
+    "workspace_id": {"workspace_id": "wrkspc_7"},
+    "tools.defer_loading": {"tools": [{**ATOOL, "defer_loading": True}]},
+    "tools.eager_input_streaming": {"tools": [{**ATOOL, "eager_input_streaming": True}]},
+    "tools.input_examples": {"tools": [{**ATOOL, "input_examples": [{"x": 1}]}]},
+    "tools.allowed_callers": {"tools": [{**ATOOL, "allowed_callers": ["direct"]}]},
+    "container": {"container": "container-7"},
+    "mcp_servers": {"mcp_servers": [{"type": "url", "url": "https://x.test", "name": "x"}]},
+}
+MESSAGES_CHAT_EXAMPLES: dict[str, dict[str, Any]] = {
+    "stop_sequences": {"stop_sequences": ["STOP-7"]}, "temperature": {"temperature": 0.123},
+    "top_p": {"top_p": 0.456}, "top_k": {"top_k": 17}, "tools": {"tools": [ATOOL]},
+    "tool_choice": {"tool_choice": {"type": "any"}, "tools": [ATOOL]},
+    "tool_choice.disable_parallel_tool_use": {"tool_choice": {
+        "type": "auto", "disable_parallel_tool_use": True}, "tools": [ATOOL]},
+    "metadata": {"metadata": {"user_id": "user-7"}},
+    "output_config.format": {"output_config": {"format": {"type": "json_schema",
+                                                          "schema": {"type": "object"}}}},
+    "mid-conversation system": {"messages": [*HISTORY, {"role": "system", "content": "s"},
+                                             *HISTORY]},
+    "unknown field": {"brand_new_field": {"x": 1}},
+}
+KINDS = list(ADAPTERS)
+NON_NATIVE = {"openai": [k for k in KINDS if ADAPTERS[k].fields.speaks != "openai"],
+              "anthropic": [k for k in KINDS if ADAPTERS[k].fields.speaks != "anthropic"]}
+
+
+# --- the table ------------------------------------------------------------------------------
+
+def test_every_known_field_has_a_treatment_in_every_column() -> None:
+    missing = [(kind, name) for kind in KINDS for name in CHAT_FIELDS
+               if name not in ADAPTERS[kind].fields.rules]
+    assert not missing, f"fields without a treatment: {missing}"
+    for kind in KINDS:
+        column = ADAPTERS[kind].fields
+        assert set(column.rules) <= set(CHAT_FIELDS), kind   # no rule for an unknown name
+        for dialect, own in OWN_FIELDS.items():
+            assert {d for d, _ in column.own} <= set(OWN_FIELDS), kind
+            assert {n for d, n in column.own if d == dialect} <= set(own), kind
+            if column.speaks != dialect:   # another dialect's fields are never passed raw
+                assert all(column.treat_own(dialect, name, "x", {}) is not PASSED
+                           for name in own), kind
+    # The walk below covers every field: a new one needs an example there.
+    assert set(CHAT_EXAMPLES) == set(CHAT_FIELDS)
+    assert set(OWN_EXAMPLES) == set(OWN_FIELDS["anthropic"])
+
+
+def test_what_relay_reads_itself_is_no_providers_field() -> None:
+    for dialect, fields in RELAY_FIELDS.items():
+        body = {"model": "m", "messages": HISTORY, "stream": False, "system": "s",
+                "max_tokens": 5, "fallbacks": ["fake/echo"]}
+        body = {k: v for k, v in body.items() if k in fields or k == "max_tokens"}
+        if dialect == "anthropic":
+            chat = parse_messages_body(json.dumps(body).encode())
+            assert chat.inbound.body is not None and "fallbacks" not in chat.inbound.body
+        else:
+            chat = OPENAI.parse(json.dumps(body).encode())
+        assert chat.fallbacks == ["fake/echo"]
+        assert not set(chat.params) & fields and not set(chat.inbound.own) & fields
+
+
+@pytest.mark.parametrize("dialect", ["openai", "anthropic"])
+def test_stream_null_asks_for_nothing(dialect: str) -> None:
+    body = {"model": "m", "messages": HISTORY, "stream": None, "max_tokens": 5}
+    parse = parse_messages_body if dialect == "anthropic" else OPENAI.parse
+    chat = parse(json.dumps(body).encode())
+    assert chat.stream is False and "stream" not in chat.params
+    with pytest.raises(RelayError) as info:
+        parse(json.dumps({**body, "stream": "yes"}).encode())
+    assert info.value.param == "stream"
+
+
+def treat(kind: str, name: str, value: Any, params: dict[str, Any] | None = None) -> Any:
+    return ADAPTERS[kind].fields.treat(name, value, params or {})
+
+
+@pytest.mark.parametrize("kind", NON_NATIVE["openai"])
+def test_what_spec_a1a_names_is_treated_so(kind: str) -> None:
+    """SPEC A1a's own examples, column by column (independent of how the table is built)."""
+    adapter = ADAPTERS[kind]
+    # neutral: a value that asks for nothing, for every kind
+    assert treat(kind, "tools", []) is NEUTRAL
+    assert treat(kind, "tool_choice", "auto") is NEUTRAL
+    assert treat(kind, "tool_choice", "none") is NEUTRAL
+    assert treat(kind, "parallel_tool_calls", True) is NEUTRAL
+    assert treat(kind, "n", 1) is NEUTRAL
+    assert treat(kind, "temperature", None) is NEUTRAL
+    # refused: what the answer would silently lose
+    assert treat(kind, "logprobs", True) is REFUSED
+    assert treat(kind, "n", 2) in (REFUSED, TRANSLATED)
+    tools = treat(kind, "tools", [TOOL])
+    assert tools is (TRANSLATED if adapter.capabilities.tools else REFUSED)
+    if kind in ("fake", "anthropic", "claude-cli", "codex-cli", "gemini-cli"):
+        assert treat(kind, "response_format", {"type": "json_object"}) is REFUSED
+    # advisory: hints, dropped and reported
+    hints = ["seed", "reasoning_effort", "metadata", "prompt_cache_key", "presence_penalty",
+             "frequency_penalty"]
+    if kind.endswith("-cli"):
+        hints += ["temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens",
+                  "user"]
+    for name in hints:
+        expected = TRANSLATED if kind == "gemini" and name in (
+            "seed", "presence_penalty", "frequency_penalty") else ADVISORY
+        assert treat(kind, name, CHAT_EXAMPLES[name][name]) is expected, (kind, name)
+    # a field the table does not know is refused, never forwarded raw
+    assert treat(kind, "brand_new_field", 1) is REFUSED
+
+
+@pytest.mark.parametrize("kind", NON_NATIVE["anthropic"])
+def test_the_messages_own_fields_elsewhere(kind: str) -> None:
+    column = ADAPTERS[kind].fields
+    for name in ("thinking", "output_config.effort", "context_management",
+                 "content.thinking", "cache_control"):
+        assert column.treat_own("anthropic", name, {"x": 1}, {}) is ADVISORY, name
+    assert column.treat_own("anthropic", "thinking", {"type": "disabled"}, {}) is NEUTRAL
+    assert column.treat_own("anthropic", "brand_new_field", 1, {}) is REFUSED
+
+
+def test_strict_fields_refuses_the_advisory_ones() -> None:
+    call = Call(request_id="r", provider="p", model="m", messages=HISTORY, stream=False,
+                params={"temperature": 0.5, "n": 1})
+    admitted = admit(ADAPTERS["claude-cli"].fields, call, provider="p", kind="claude-cli")
+    assert admitted.ignored == ("temperature",) and admitted.call.params == {}
+    with pytest.raises(RelayError) as info:
+        admit(ADAPTERS["claude-cli"].fields, call, provider="p", kind="claude-cli",
+              strict=True)
+    assert (info.value.reason, info.value.param) == ("unsupported", "temperature")
+    assert "strict_fields" in info.value.message
+
+
+# --- the walk, through the assembled relay ----------------------------------------------
+
+class Fakes:
+    def __init__(self, up: FakeUpstream, ant: FakeAnthropic, gem: FakeGemini) -> None:
+        self.up, self.ant, self.gem = up, ant, gem
+
+
+@pytest.fixture
+async def walk(nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+               ) -> AsyncIterator[tuple[Served, Fakes, httpx.AsyncClient]]:
+    monkeypatch.setenv("RELAY_TEST_ANTHROPIC_KEY", ANTHROPIC_KEY)
+    monkeypatch.setenv("RELAY_TEST_GEMINI_KEY", GEMINI_KEY)
+    up: FakeUpstream = await nursery.start(serve_fake_upstream)
+    ant: FakeAnthropic = await nursery.start(serve_fake_anthropic)
+    gem: FakeGemini = await nursery.start(serve_fake_gemini)
+    log = tmp_path / "fake-cli.jsonl"
+    text = f"""
+[server]
+records = "records.jsonl"
+[providers.fake]
+adapter = "fake"
+[providers.up]
+adapter = "openai"
+base_url = "{up.url}"
+models = ["m1"]
+[providers.up.profile]
+lanes = 4
+queue_max = 8
+queue_timeout_s = 10
+run_timeout_s = 20
+[providers.ant]
+adapter = "anthropic"
+base_url = "{ant.url}"
+api_key_env = "RELAY_TEST_ANTHROPIC_KEY"
+models = ["claude-x"]
+[providers.ant.profile]
+rpm = 0
+[providers.gem]
+adapter = "gemini"
+base_url = "{gem.url}"
+api_key_env = "RELAY_TEST_GEMINI_KEY"
+models = ["g"]
+[providers.gem.profile]
+rpm = 0
+"""
+    for tool in ("claude", "codex", "gemini"):
+        text += f"""
+[providers.{tool}]
+adapter = "{tool}-cli"
+command = "{FAKE_CLI / tool}"
+env = {{ FAKE_CLI_LOG = "{log}" }}
+"""
+    async with open_cli_relay(text, tmp_path) as served, httpx.AsyncClient(
+            trust_env=False, timeout=30) as client:
+        yield served, Fakes(up, ant, gem), client
+
+
+MODEL = {"fake": "fake/echo", "openai": "up/m1", "anthropic": "ant/claude-x",
+         "gemini": "gem/g", "claude-cli": "claude/ok", "codex-cli": "codex/ok",
+         "gemini-cli": "gemini/ok"}
+PROVIDER = {kind: model.partition("/")[0] for kind, model in MODEL.items()}
+# What a request to each upstream may hold at its top level: its own dialect's fields.
+MESSAGES_KEYS = {"model", "messages", "max_tokens", "system", "stream", "stop_sequences",
+                 "temperature", "top_p", "top_k", "tools", "tool_choice", "metadata"}
+GEMINI_KEYS = {"contents", "systemInstruction", "generationConfig", "tools", "toolConfig"}
+CHAT_KEYS = {"model", "messages", "stream", *CHAT_FIELDS}
+# Messages-only words that must never appear in an OpenAI or Gemini request.
+MESSAGES_ONLY = ("input_schema", "cache_control", "stop_sequences", "tool_use", "thinking",
+                 "redacted_thinking", "signature", "context_management", "output_config",
+                 "defer_loading", "budget_tokens", "user_id", "sig-7", "redacted-7")
+
+
+def expected(kind: str, dialect: str, fields: dict[str, Any]
+             ) -> tuple[RelayError | None, tuple[str, ...]]:
+    """What the column says of a request with ``fields``: its refusal, or what it drops."""
+    body = {"model": MODEL[kind], "messages": HISTORY, **fields}
+    if dialect == "anthropic":
+        chat = parse_messages_body(json.dumps({"max_tokens": 64, **body}).encode())
+    else:
+        chat = OPENAI.parse(json.dumps(body).encode())
+    call = Call(request_id="r", provider=PROVIDER[kind], model="m", messages=chat.messages,
+                stream=True, params=chat.params, inbound=chat.inbound)
+    adapter = ADAPTERS[kind]
+    try:
+        return None, admit(adapter.fields, call, provider=PROVIDER[kind], kind=kind).ignored
+    except RelayError as exc:
+        return exc, ()
+
+
+async def send(walk: Any, kind: str, dialect: str, fields: dict[str, Any]
+               ) -> tuple[httpx.Response, Any]:
+    """One streamed request to ``kind``; what its upstream received (or None)."""
+    served, fakes, client = walk
+    upstream = {"openai": fakes.up, "anthropic": fakes.ant, "gemini": fakes.gem}.get(kind)
+    before = len(upstream.requests) if upstream else 0
+    body: dict[str, Any] = {"model": MODEL[kind], "messages": HISTORY, "stream": True}
+    if dialect == "anthropic":
+        body["max_tokens"] = 64
+    body.update(fields)
+    path = "/v1/messages" if dialect == "anthropic" else "/v1/chat/completions"
+    resp = await client.post(served.url + path, json=body)
+    got = [r for r in upstream.requests[before:] if r.method == "POST"] if upstream else []
+    return resp, (got[-1].json if got else None)
+
+
+def check(kind: str, dialect: str, fields: dict[str, Any], resp: httpx.Response,
+          sent: Any) -> None:
+    """The answer agrees with the column, and the upstream got only its own dialect."""
+    refusal, ignored = expected(kind, dialect, fields)
+    where = (kind, dialect, fields)
+    if refusal is not None:
+        assert resp.status_code == 400, (where, resp.text)
+        text = resp.text
+        assert '"unsupported"' in text and f'"param":"{refusal.param}"' in text, (where, text)
+        assert sent is None, where   # refused before anything reached the provider
+        return
+    assert resp.status_code == 200, (where, resp.text)
+    header = resp.headers.get("x-relay-ignored-fields")
+    assert (header.split(", ") if header else []) == list(ignored), (where, header, ignored)
+    if sent is None:
+        assert kind not in ("openai", "anthropic", "gemini"), where
+        return
+    raw = json.dumps(sent)
+    if kind == "anthropic":
+        if dialect == "anthropic":   # passed: every field as the client sent it
+            for key, value in fields.items():
+                assert sent[key] == value, (where, sent)
+        else:
+            assert set(sent) <= MESSAGES_KEYS, (where, sorted(sent))
+    elif kind == "gemini":
+        assert set(sent) <= GEMINI_KEYS, (where, sorted(sent))
+    else:
+        assert set(sent) <= CHAT_KEYS, (where, sorted(sent))
+    if kind != "anthropic" and dialect == "anthropic":
+        leaked = [w for w in MESSAGES_ONLY if w in raw]
+        assert not leaked, (where, leaked, raw)
+    for name in ignored:   # what was dropped is nowhere in what was sent
+        if name in fields and not isinstance(fields[name], bool):
+            assert json.dumps(fields[name]) not in raw, (where, name, raw)
+
+
+HTTP_KINDS = ["fake", "openai", "anthropic", "gemini"]
+
+
+@pytest.mark.parametrize("kind", HTTP_KINDS)
+async def test_every_chat_field_through_every_kind(walk: Any, kind: str) -> None:
+    for fields in CHAT_EXAMPLES.values():
+        resp, sent = await send(walk, kind, "openai", fields)
+        check(kind, "openai", fields, resp, sent)
+
+
+@pytest.mark.parametrize("kind", HTTP_KINDS)
+async def test_every_messages_field_through_every_kind(walk: Any, kind: str) -> None:
+    for fields in [*OWN_EXAMPLES.values(), *MESSAGES_CHAT_EXAMPLES.values()]:
+        resp, sent = await send(walk, kind, "anthropic", fields)
+        check(kind, "anthropic", fields, resp, sent)
+
+
+@pytest.mark.parametrize("kind", ["claude-cli", "codex-cli", "gemini-cli"])
+async def test_every_field_through_every_cli_kind(walk: Any, kind: str) -> None:
+    """A tool run per request costs time: the refused fields one by one (nothing runs),
+    the ones it accepts all in one request per dialect."""
+    for dialect, examples in (("openai", CHAT_EXAMPLES),
+                              ("anthropic", {**OWN_EXAMPLES, **MESSAGES_CHAT_EXAMPLES})):
+        accepted: dict[str, Any] = {}
+        for fields in examples.values():
+            refusal, _ = expected(kind, dialect, fields)
+            if refusal is not None or "messages" in fields:
+                resp, sent = await send(walk, kind, dialect, fields)
+                check(kind, dialect, fields, resp, sent)
+            else:
+                accepted.update(fields)
+        resp, sent = await send(walk, kind, dialect, accepted)
+        check(kind, dialect, accepted, resp, sent)
