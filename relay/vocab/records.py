@@ -93,6 +93,7 @@ class Attempt:
 class Record:
     id: str
     started_at: float
+    endpoint: str | None = None  # the request's path (/v1/embeddings, a path not served …)
     route: str | None = None
     provider: str | None = None
     model: str | None = None
