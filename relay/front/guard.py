@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 import trio
 
 from relay.dialects.base import Dialect
-from relay.dialects.openai_chat import OPENAI
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import is_loopback_host
 from relay.vocab.records import Record
 
-from .asgi import RELAY_ROUTES, Message, Receive, Scope, Send, header, send_error
+from .asgi import Message, Receive, Scope, Send, header, send_error
+from .paths import dialect_for, match
 
 if TYPE_CHECKING:
     from relay.engine.engine import Engine
@@ -91,7 +91,7 @@ class Guard:
                 message = {**message, "headers": [*message.get("headers", ()), *extra]}
             await send(message)
 
-        dialect = RELAY_ROUTES.get(scope["path"], OPENAI)
+        dialect = dialect_for(scope["path"])
         refusal = self._refusal(scope, origin)
         if refusal is not None:
             self._record(scope, refusal)
@@ -157,15 +157,18 @@ class Guard:
     def _record(self, scope: Scope, error: RelayError | None) -> None:
         """A chat request refused here (or whose client left while sending its body,
         ``error`` None) still gets its one record (DESIGN invariant 5)."""
-        if scope["path"] in RELAY_ROUTES or scope["path"] == "/relay/v1/fanout":
+        served = match(scope["path"])
+        if served is not None and served.relay_route:
             now = trio.current_time()
             if error is None:
-                record = Record(id=scope["relay.request_id"], started_at=now, status=499,
+                record = Record(id=scope["relay.request_id"], started_at=now,
+                                endpoint=scope["path"], status=499,
                                 reason="client_disconnected", phase="stop",
                                 stop_requested_at=now)
             else:
                 record = Record(id=scope["relay.request_id"], started_at=now,
-                                status=error.status, reason=error.reason, phase=error.phase)
+                                endpoint=scope["path"], status=error.status,
+                                reason=error.reason, phase=error.phase)
             self.relay.records.write(record)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send,
