@@ -13,7 +13,8 @@ Everything they answer is deterministic: `vector_for` gives a text's vector, and
 is `count_words` of what was sent (the words of every string, except the values of
 ``type``, ``role`` and ``model`` keys), so a test knows the exact answer beforehand.
 Misbehaviour is scripted with ``status``/``error`` (an error answer), ``gate`` (answer
-only once it is set) and ``hang``.
+only once it is set) and ``hang``; `FakeEmbeddings` also with ``answer`` (a 200 body to
+send instead of the right one, ``NaN`` and all).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class FakeEmbeddings(FakeServer, _Scripted):
         self.url = f"{self.base_url}/v1"
         self.models = ["e1", "e2"]
         self.answering = 0  # requests past their body, not yet answered
+        self.answer: Any = None
 
     async def respond(self, ex: Exchange) -> None:
         if ex.method == "GET" and ex.path == "/v1/models":
@@ -102,6 +104,9 @@ class FakeEmbeddings(FakeServer, _Scripted):
             self.notify()
         if self.status != 200:
             await ex.send_json(self.status, self.error or openai_error(self.status))
+            return
+        if self.answer is not None:
+            await ex.send_json(200, self.answer)
             return
         req = ex.json if isinstance(ex.json, dict) else {}
         raw = req.get("input")

@@ -127,6 +127,12 @@ async def test_anthropic_counts_with_its_own_counter(
 
         by_route = await client.messages.count_tokens(model="counter", messages=USER)
         assert by_route.input_tokens == 5
+        # Claude Code adds ?beta=true (and anthropic-beta headers).
+        async with http_client() as http:
+            r = await http.post(served.url + COUNT + "?beta=true", json={
+                "model": "ant/claude-test-1", "messages": USER},
+                headers={"anthropic-beta": "token-counting-2024-11-01"})
+        assert r.status_code == 200 and r.json() == {"input_tokens": 5}
 
         ant.status = 429
         with pytest.raises(anthropic.RateLimitError) as limited:
@@ -136,7 +142,7 @@ async def test_anthropic_counts_with_its_own_counter(
         assert body["error"]["type"] == "rate_limit_error"
         assert body["error"]["relay"]["reason"] == "rate_limited"
     recs = counts(tmp_path)
-    assert [r["status"] for r in recs] == [200, 200, 429]
+    assert [r["status"] for r in recs] == [200, 200, 200, 429]
     assert (recs[0]["provider"], recs[0]["model"]) == ("ant", "claude-test-1")
     assert recs[1]["route"] == "counter"
     assert recs[0]["attempts"][0]["ok"] and recs[0]["run_ms"] is not None

@@ -165,6 +165,31 @@ async def test_an_upstream_failure_is_an_e1_error(
     assert [r["reason"] for r in one(tmp_path)] == ["auth_required", "rejected", "rejected"]
 
 
+@pytest.mark.parametrize(("answer", "encoding", "words"), [
+    ({"data": [{"index": 0, "embedding": [0.5]}]}, "float", "one vector for each of the 2"),
+    ({"data": [{"index": 0, "embedding": [0.5]}, {"index": 0, "embedding": [0.5]}]},
+     "float", "one vector for each of the 2"),
+    ({"data": [{"embedding": [0.5, True]}, {"embedding": [1]}]}, "float", "one vector"),
+    ({"data": [{"embedding": []}, {"embedding": [1]}]}, "float", "one vector"),
+    ({"data": [{"embedding": [float("nan")]}, {"embedding": [1]}]}, "float",
+     "a number that is not finite (vector 0)"),
+    ({"data": [{"embedding": [1.0]}, {"embedding": [1e39]}]}, "base64",
+     "a number too large for a float32 (vector 1)"),
+    ([1, 2], "float", "an embeddings answer relay cannot read: '[1, 2]'"),
+])
+async def test_a_broken_embeddings_answer_is_bad_upstream_response(
+        nursery: trio.Nursery, tmp_path: Path, emb: FakeEmbeddings, answer: Any,
+        encoding: str, words: str) -> None:
+    served = await start_relay(nursery, config(emb), tmp_path)
+    emb.answer = answer
+    async with http_client() as http:
+        r = await http.post(served.url + EMBED, json={
+            "model": "emb/e1", "input": ["a", "b"], "encoding_format": encoding})
+    assert words in e1(r, 502, "bad_upstream_response")["message"]
+    assert one(tmp_path)[0]["reason"] == "bad_upstream_response"
+    assert lane_idle(served)
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"model": "emb/e1"}, "input"),
     ({"model": "emb/e1", "input": []}, "input"),
