@@ -155,7 +155,7 @@ class Guard:
         return None
 
     def _record(self, scope: Scope, error: RelayError | None) -> None:
-        """A chat request refused here (or whose client left while sending its body,
+        """A relay-route request refused here (or whose client left while sending its body,
         ``error`` None) still gets its one record (DESIGN invariant 5)."""
         served = match(scope["path"])
         if served is not None and served.relay_route:
