@@ -28,6 +28,10 @@ complete only at ``message_stop``: the finish is held until then, so a stream cu
 HTTP statuses, Anthropic's error bodies and an ``event: error`` inside the stream — go
 through the shared `upstream_failure`.
 
+Token counts (SPEC A6): ``POST {base_url}/messages/count_tokens`` with the request the
+answer would have had, less the fields that only say how to answer (`COUNT_FIELDS`
+are what the counter takes); its ``input_tokens``.
+
 Prefill (SPEC F8): Anthropic continues a final assistant message, but refuses one that
 ends in whitespace; that whitespace is cut from the request and from the start of the
 continuation, so the client's text joins up exactly.
@@ -47,6 +51,7 @@ from relay.vocab.errors import RelayError, excerpt
 from relay.vocab.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
 from relay.vocab.profile import Profile
 
+from ._whole import count_of, post_json, unreadable
 from .anthropic_request import DEFAULT_MAX_TOKENS, messages_request, native_request
 from .base import upstream_failure
 from .cloud import CloudAdapter
@@ -55,6 +60,11 @@ __all__ = ["ERROR_STATUS", "STOP_REASONS", "AnthropicAdapter", "AnthropicSetting
            "MessageReader", "messages_request"]
 
 ANTHROPIC_VERSION = "2023-06-01"
+# What /v1/messages/count_tokens takes of a Messages request (it refuses max_tokens,
+# stream, temperature, metadata …: they say how to answer, not what is read).
+COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking",
+                          "cache_control", "output_config", "mcp_servers",
+                          "context_management", "speed"})
 
 # stop_reason → OpenAI's finish_reason. pause_turn (a server tool's loop paused) and the
 # context window running out are cut-off answers: reported as such (SPEC E4).
@@ -238,7 +248,7 @@ class AnthropicAdapter(CloudAdapter):
     kind = "anthropic"
     Settings = AnthropicSettings
     # Anthropic continues a final assistant message.
-    capabilities = Capabilities(tools=True, prefill=True)
+    capabilities = Capabilities(tools=True, prefill=True, count_tokens=True)
     default_base_url = "https://api.anthropic.com/v1"
     default_key_env = "ANTHROPIC_API_KEY"
     # SPEC A1a: it speaks Messages (a Messages request passes, unchanged); a chat
@@ -312,6 +322,18 @@ class AnthropicAdapter(CloudAdapter):
         if betas:
             out["anthropic-beta"] = ",".join(dict.fromkeys(betas))
         return out
+
+    async def count_tokens(self, call: Call) -> int:
+        self.refuse_without_key()
+        body, _ = messages_request(call, self.settings.max_tokens)
+        body = {key: value for key, value in body.items() if key in COUNT_FIELDS}
+        answer = await post_json(self, f"{self.base_url}/messages/count_tokens", body,
+                                 "a token count")
+        tokens = count_of(answer.get("input_tokens"))
+        if tokens is None:
+            raise unreadable(self.name, "a token count without input_tokens",
+                             json.dumps(answer))
+        return tokens
 
     async def _read_stream(self, resp: Any, reader: MessageReader, events: EventSink) -> None:
         async def handle(name: str | None, data: str) -> bool:

@@ -26,6 +26,13 @@ Answers: text parts → content (``thought`` parts → ``reasoning_content``),
 reason in its message, one in `BROKEN` is ``bad_upstream_response``. A stream is
 complete once every candidate it opened has a finish reason; one that ends before is
 ``stream_cut``.
+
+Embeddings (SPEC A8): ``:batchEmbedContents``, at most `EMBED_BATCH` texts a request
+(more are sent in order, in several); ``dimensions`` → ``outputDimensionality``; ``user``
+is dropped and reported, as for chat; token-id inputs and other fields are
+``unsupported``. Token counts (SPEC A6): ``:countTokens`` with the whole
+``generateContentRequest`` the answer would have had (system instruction and tools
+count), its ``totalTokens``.
 """
 
 from __future__ import annotations
@@ -36,13 +43,14 @@ from urllib.parse import quote
 
 import attrs
 
-from relay.api.adapter import Capabilities
+from relay.api.adapter import Capabilities, EmbedCall, Embeddings
 from relay.api.fields import ACCOUNTING, EFFORT, LIMITS, REFUSED, SAMPLING, Rule, column
 from relay.api.http import HTTPSettings
 from relay.vocab.errors import RelayError, excerpt
 from relay.vocab.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
 from relay.vocab.profile import Profile
 
+from ._whole import count_of, post_json, unreadable, vector_of
 from .base import upstream_failure
 from .cloud import CloudAdapter
 from .gemini_request import GENERATION, gemini_request, split_tool_call_id, tool_call_id
@@ -72,6 +80,9 @@ BROKEN: dict[str, str] = {
     "OTHER": "Gemini stopped for an unspecified reason",
     "FINISH_REASON_UNSPECIFIED": "Gemini stopped for an unspecified reason",
 }
+EMBED_BATCH = 100  # texts in one batchEmbedContents request (Gemini's own limit)
+
+
 @attrs.frozen(kw_only=True)
 class GeminiSettings(HTTPSettings):
     pass
@@ -182,7 +193,7 @@ class GeminiAdapter(CloudAdapter):
     kind = "gemini"
     Settings = GeminiSettings
     # Gemini does not reliably continue a final model turn: no prefill.
-    capabilities = Capabilities(tools=True)
+    capabilities = Capabilities(tools=True, embeddings=True, count_tokens=True)
     default_base_url = "https://generativelanguage.googleapis.com/v1beta"
     default_key_env = "GEMINI_API_KEY"
     # SPEC A1a: generation settings, limits, stops, JSON modes and tools are translated;
@@ -215,9 +226,65 @@ class GeminiAdapter(CloudAdapter):
     def check_request(self, call: Call) -> None:
         gemini_request(call)
 
+    @staticmethod
+    def _path(model: str) -> str:
+        return model if model.startswith(("models/", "tunedModels/")) else f"models/{model}"
+
     def _url(self, model: str, method: str) -> str:
-        path = model if model.startswith(("models/", "tunedModels/")) else f"models/{model}"
-        return f"{self.base_url}/{quote(path, safe='/')}:{method}"
+        return f"{self.base_url}/{quote(self._path(model), safe='/')}:{method}"
+
+    # --- embeddings and token counts ------------------------------------------------------
+    def check_embed(self, call: EmbedCall) -> None:
+        if not all(isinstance(item, str) for item in call.inputs):
+            raise RelayError("unsupported", f"provider {self.name!r} (gemini) embeds texts, "
+                             "not token ids; send the texts", provider=self.name,
+                             param="input")
+        for key, value in call.params.items():
+            if value is None or key == "user":
+                continue
+            if key != "dimensions":
+                raise RelayError("unsupported", f"provider {self.name!r} (gemini) cannot "
+                                 f"honour the embeddings field {key!r}; remove it or choose "
+                                 "another provider", provider=self.name, param=key)
+            if type(value) is not int or value < 1:
+                raise RelayError("invalid_request", "'dimensions' must be a whole number "
+                                 "of at least 1", param="dimensions")
+
+    async def embed(self, call: EmbedCall) -> Embeddings:
+        self.refuse_without_key()
+        self.check_embed(call)
+        extra: dict[str, Any] = {}
+        if call.params.get("dimensions") is not None:
+            extra["outputDimensionality"] = call.params["dimensions"]
+        vectors: list[list[float]] = []
+        url = self._url(call.model, "batchEmbedContents")
+        for start in range(0, len(call.inputs), EMBED_BATCH):
+            texts = call.inputs[start:start + EMBED_BATCH]
+            body = {"requests": [{"model": self._path(call.model), **extra,
+                                  "content": {"parts": [{"text": text}]}} for text in texts]}
+            answer = await post_json(self, url, body, "an embeddings answer")
+            got = answer.get("embeddings")
+            batch = [vector_of(e.get("values")) if isinstance(e, dict) else None
+                     for e in (got if isinstance(got, list) else ())]
+            if len(batch) != len(texts) or any(v is None for v in batch):
+                raise unreadable(self.name, f"an embeddings answer that is not one vector "
+                                 f"for each of the {len(texts)} texts", json.dumps(answer))
+            vectors += [v for v in batch if v is not None]
+        ignored = ("user",) if call.params.get("user") is not None else ()
+        return Embeddings(vectors=vectors, ignored=ignored)
+
+    async def count_tokens(self, call: Call) -> int:
+        self.refuse_without_key()
+        request = gemini_request(call)
+        request.pop("generationConfig", None)  # how to answer: it adds no input tokens
+        body = {"generateContentRequest": {"model": self._path(call.model), **request}}
+        answer = await post_json(self, self._url(call.model, "countTokens"), body,
+                                 "a token count")
+        total = count_of(answer.get("totalTokens"))
+        if total is None:
+            raise unreadable(self.name, "a token count without totalTokens",
+                             json.dumps(answer))
+        return total
 
     async def models(self) -> list[str]:
         if self.provider.models_configured:

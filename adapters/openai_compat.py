@@ -14,6 +14,10 @@ complete; an event that is not JSON is skipped and reported as skipped. Streams 
 by the one SSE reader every HTTP adapter shares (`HTTPAdapter.read_sse`), bodies through
 relay's bounded reader (SPEC O5).
 
+Embeddings (SPEC A8): ``POST {base_url}/embeddings`` with the client's fields as they
+came, the model rewritten and ``encoding_format`` always ``float`` (every
+OpenAI-compatible server speaks it; relay encodes base64 for the client itself).
+
 Presets (SPEC L4) fill the base URL, the key's variable and a profile fitting the kind of
 server; the file overrides any of them.
 
@@ -31,7 +35,7 @@ from typing import Any
 
 import attrs
 
-from relay.api.adapter import Capabilities
+from relay.api.adapter import Capabilities, EmbedCall, Embeddings
 from relay.api.fields import CHAT_FIELDS, PASSED, column
 from relay.api.http import HTTPSettings
 from relay.vocab.errors import RelayError, excerpt
@@ -39,6 +43,7 @@ from relay.vocab.events import Call, Delta, EventSink, Finish, Skipped, Usage
 from relay.vocab.profile import Profile
 
 from ._responses import ResponsesReader
+from ._whole import count_of, post_json, unreadable, vector_of
 from .base import HTTPAdapter, upstream_failure
 
 __all__ = ["PRESETS", "OpenAIAdapter", "OpenAISettings", "Preset"]
@@ -90,7 +95,7 @@ class OpenAISettings(HTTPSettings):
 class OpenAIAdapter(HTTPAdapter):
     kind = "openai"
     Settings = OpenAISettings
-    capabilities = Capabilities(tools=True)
+    capabilities = Capabilities(tools=True, embeddings=True)
     # It speaks OpenAI chat: every chat-level field passes, known or not (SPEC A1a).
     fields = column(speaks="openai", unknown=PASSED, passed=CHAT_FIELDS)
 
@@ -206,6 +211,28 @@ class OpenAIAdapter(HTTPAdapter):
                         read_stream=lambda resp: self.read_sse(
                             resp, reader.event, complete=lambda: reader.final),
                         read_whole=reader.whole)
+
+    async def embed(self, call: EmbedCall) -> Embeddings:
+        self.refuse_without_key()
+        body = {**call.params, "model": call.model, "input": call.inputs,
+                "encoding_format": "float"}
+        answer = await post_json(self, f"{self.base_url}/embeddings", body,
+                                 "an embeddings answer")
+        data = answer.get("data")
+        vectors: dict[int, list[float]] = {}
+        for position, item in enumerate(data if isinstance(data, list) else ()):
+            index = item.get("index", position) if isinstance(item, dict) else None
+            vector = vector_of(item.get("embedding")) if isinstance(item, dict) else None
+            if type(index) is not int or vector is None or index in vectors:
+                break
+            vectors[index] = vector
+        if sorted(vectors) != list(range(len(call.inputs))):
+            raise unreadable(self.name, f"an embeddings answer that is not one vector for "
+                             f"each of the {len(call.inputs)} inputs", json.dumps(answer))
+        usage = answer.get("usage")
+        tokens = count_of(usage.get("prompt_tokens")) if isinstance(usage, dict) else None
+        return Embeddings(vectors=[vectors[i] for i in range(len(call.inputs))],
+                          prompt_tokens=tokens)
 
     async def _read_stream(self, resp: Any, events: EventSink) -> None:
         open_choices: set[int] = set()

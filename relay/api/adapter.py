@@ -18,6 +18,13 @@ default). An instance serves one provider:
   interrupt, grace, kill). It runs inside its lane's slot, so the slot is released only
   after it returns.
 
+Beyond chat, a kind may declare (in its `Capabilities`, which the front asks before it
+calls anything) that it makes embeddings — ``check_embed(call)`` then ``embed(call)``,
+SPEC A8 — or counts tokens with the provider's own counter — ``count_tokens(call)``,
+SPEC A6. Both answer whole, under the same rules as ``run``: cancellable, `RelayError`
+on failure. A kind that does not declare them is never asked; the defaults here only
+make a wrong call loud.
+
 This module and `relay.api.http` are the adapter API: with the vocabulary
 (`relay.vocab`), they are all of relay an adapter may import.
 """
@@ -35,7 +42,7 @@ from relay.vocab.profile import Profile, ProviderConfig
 
 from .fields import Admitted, Column, admit, column
 
-__all__ = ["Adapter", "Admitted", "Capabilities"]
+__all__ = ["Adapter", "Admitted", "Capabilities", "EmbedCall", "Embeddings"]
 
 
 @attrs.frozen(kw_only=True)
@@ -57,6 +64,36 @@ class Capabilities:
     embeddings: bool = False
     count_tokens: bool = False
     responses: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class EmbedCall:
+    """One embeddings request, as an adapter sees it (SPEC A8).
+
+    ``inputs`` holds one entry per vector wanted, in order: a text, or a list of token
+    ids (OpenAI's token-array input). ``params`` holds the request's other fields as the
+    client sent them (``dimensions``, ``user``, a server's own ``input_type``, …), except
+    ``encoding_format``: relay asks every provider for floats and encodes the answer for
+    the client itself.
+    """
+
+    request_id: str
+    provider: str
+    model: str
+    inputs: list[str] | list[list[int]]
+    params: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class Embeddings:
+    """An embeddings answer: one vector per input, in the inputs' order; the prompt
+    tokens the provider reported (None when it reports none); and the request fields the
+    adapter dropped as advisory (they asked for nothing it could do), for the
+    ``X-Relay-Ignored-Fields`` header."""
+
+    vectors: list[list[float]]
+    prompt_tokens: int | None = None
+    ignored: tuple[str, ...] = ()
 
 
 class Adapter:
@@ -153,6 +190,20 @@ class Adapter:
 
     async def run(self, call: Call, events: EventSink) -> None:
         raise NotImplementedError
+
+    # --- beyond chat: only called when `capabilities` says so -------------------------------
+    def check_embed(self, call: EmbedCall) -> None:
+        """Raise ``unsupported`` (or ``invalid_request``) for an embeddings request this
+        kind cannot send, before anything is queued."""
+
+    async def embed(self, call: EmbedCall) -> Embeddings:
+        """The vectors for ``call.inputs`` (``capabilities.embeddings``)."""
+        raise NotImplementedError(f"the {self.kind!r} adapter makes no embeddings")
+
+    async def count_tokens(self, call: Call) -> int:
+        """The input tokens ``call`` would take, by the provider's own counter
+        (``capabilities.count_tokens``); never an estimate."""
+        raise NotImplementedError(f"the {self.kind!r} adapter has no token counter")
 
     async def models(self) -> list[str]:
         """Discover the provider's models (may raise `RelayError`)."""

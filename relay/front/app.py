@@ -1,5 +1,7 @@
 """The HTTP front of one relay: the guard, then the relay routes in raw ASGI (chat in
-each dialect, fan-out), then Quart for the rest (models, status, health, metrics).
+each dialect, embeddings, token counts, fan-out), then Quart for the rest (models,
+status, health, metrics). Which is which is the table of `relay.front.paths`; a path it
+does not hold gets the 404 that lists the paths relay serves.
 
 The guard is rebuilt whenever the engine's config object changes (a reload), so the
 front never needs to be told.
@@ -7,21 +9,28 @@ front never needs to be told.
 
 from __future__ import annotations
 
-from relay.dialects.openai_chat import OPENAI
+from collections.abc import Callable
+
 from relay.engine.engine import Engine
 from relay.vocab.errors import RelayError
 
-from .asgi import RELAY_ROUTES, Message, Receive, Scope, Send, send_error
+from .asgi import Message, Receive, Scope, Send, send_error
 from .chat import Chat
-from .exchange import Exchange
+from .endpoints import CountTokens, Embed
+from .exchange import Exchange, Handler
 from .fanout import Fanout
 from .guard import Guard
 from .metrics import Metrics
-from .responses import PREFIX as RESPONSES_PREFIX
+from .paths import match, not_served
 from .responses import ResponsesChat, serve_stored
 from .routes import make_quart_app
 
 __all__ = ["Front"]
+
+# The handler of each kind of relay route in the table of `relay.front.paths`.
+_HANDLERS: dict[str, Callable[[], Handler]] = {"chat": Chat, "embeddings": Embed,
+                                       "count_tokens": CountTokens, "fanout": Fanout,
+                                       "responses": ResponsesChat}
 
 
 class Front:
@@ -38,28 +47,22 @@ class Front:
         await self.guard(scope, receive, send)
 
     async def _route(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
-        dialect = RELAY_ROUTES.get(scope["path"])
-        if dialect is not None:
-            if scope["method"] != "POST":
-                wrong = RelayError("invalid_request", f"use POST for {scope['path']}",
-                                   status=405)
-                self.guard._record(scope, wrong)
-                await send_error(send, wrong, dialect)
-                return
-            handler = ResponsesChat() if scope["path"] == "/v1/responses" else Chat()
-            await Exchange(self.relay, scope, receive, send, dialect).serve(body, handler)
+        served = match(scope["path"])
+        if served is None:
+            await not_served(self.relay, scope, send)
             return
-        if scope["path"].startswith(RESPONSES_PREFIX):  # stored responses (SPEC A7)
+        if served.kind == "stored":  # stored responses (SPEC A7)
             await serve_stored(self.relay, scope, send)
             return
-        if scope["path"] == "/relay/v1/fanout":
-            if scope["method"] != "POST":
-                wrong = RelayError("invalid_request", "use POST for /relay/v1/fanout",
-                                   status=405)
+        if served.dialect is not None:  # a relay route, in raw ASGI
+            if scope["method"] not in served.methods:
+                wrong = RelayError("invalid_request", f"use {'|'.join(served.methods)} for "
+                                   f"{scope['path']}", status=405)
                 self.guard._record(scope, wrong)
-                await send_error(send, wrong)
+                await send_error(send, wrong, served.dialect)
                 return
-            await Exchange(self.relay, scope, receive, send, OPENAI).serve(body, Fanout())
+            await Exchange(self.relay, scope, receive, send, served.dialect).serve(
+                body, _HANDLERS[served.kind]())
             return
         replayed = False
 

@@ -86,7 +86,8 @@ class Exchange:
         self.receive = receive
         self._send = send
         self.server = relay.config.server
-        self.record = Record(id=scope["relay.request_id"], started_at=trio.current_time())
+        self.record = Record(id=scope["relay.request_id"], started_at=trio.current_time(),
+                             endpoint=scope["path"])
         scope["relay.record"] = self.record  # the guard's log line reads the model, reason
         self.phase = Phase.RECEIVED
         self.request_scope = trio.CancelScope()  # the request's nursery's, once it runs

@@ -29,13 +29,13 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from relay.dialects.base import Dialect
-from relay.dialects.openai_chat import OPENAI
 from relay.engine.engine import Engine
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import is_loopback_host
 from relay.vocab.records import Record
 
-from .asgi import RELAY_ROUTES, Message, Receive, Scope, Send, header, send_error
+from .asgi import Message, Receive, Scope, Send, header, send_error
+from .paths import dialect_for, match
 
 __all__ = ["ACCESS_LOG", "Guard", "dialect_for"]
 
@@ -65,15 +65,6 @@ def _host_name(host: str) -> str | None:
     if port and not (port[0] == ":" and port[1:].isascii() and port[1:].isdigit()):
         return None
     return name
-
-
-def dialect_for(path: str) -> Dialect:
-    """The dialect of the relay route a path is or lies under (``/v1/messages/…`` is
-    Anthropic's: SPEC A6, every error there Anthropic-shaped), else OpenAI's."""
-    for route, dialect in RELAY_ROUTES.items():
-        if path == route or path.startswith(route + "/"):
-            return dialect
-    return OPENAI
 
 
 class Guard:
@@ -191,17 +182,20 @@ class Guard:
         return None
 
     def _record(self, scope: Scope, error: RelayError | None) -> None:
-        """A chat request refused here (or whose client left while sending its body,
+        """A relay-route request refused here (or whose client left while sending its body,
         ``error`` None) still gets its one record (DESIGN invariant 5)."""
-        if scope["path"] in RELAY_ROUTES or scope["path"] == "/relay/v1/fanout":
+        served = match(scope["path"])
+        if served is not None and served.relay_route:
             now = trio.current_time()
             if error is None:
-                record = Record(id=scope["relay.request_id"], started_at=now, status=499,
+                record = Record(id=scope["relay.request_id"], started_at=now,
+                                endpoint=scope["path"], status=499,
                                 reason="client_disconnected", phase="stop",
                                 stop_requested_at=now)
             else:
                 record = Record(id=scope["relay.request_id"], started_at=now,
-                                status=error.status, reason=error.reason, phase=error.phase)
+                                endpoint=scope["path"], status=error.status,
+                                reason=error.reason, phase=error.phase)
             scope["relay.record"] = record  # for the exchange's log line
             self.relay.records.write(record)
 

@@ -1,5 +1,9 @@
 """The plain JSON routes, served by Quart: models, status, health, metrics, the status page.
 
+Each is registered from its entry in the table of `relay.front.paths` (``@route(path)``
+takes the entry's rule and methods, and a path the table does not hold fails here, at
+start-up), so the paths relay routes by and the paths its 404 lists are one list.
+
 Quart's own 60 s response and body timeouts are off (notes/trio-stack.md: they cut long
 responses silently); relay owns its deadlines. Every error here is an E1 body too.
 """
@@ -7,7 +11,8 @@ responses silently); relay owns its deadlines. Every error here is an E1 body to
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import trio
 from quart import Response, request
@@ -19,9 +24,12 @@ from relay.engine.engine import Engine
 from relay.vocab.errors import ConfigError, RelayError
 
 from .metrics import CONTENT_TYPE, Metrics
+from .paths import SERVED
 from .status_page import page_response
 
 __all__ = ["make_quart_app"]
+
+_View = TypeVar("_View", bound=Callable[..., Awaitable[Response]])
 
 
 def _error(error: RelayError) -> Response:
@@ -36,6 +44,10 @@ def _json(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
+def _model(ident: str, owner: str) -> dict[str, Any]:
+    return {"id": ident, "object": "model", "created": 0, "owned_by": owner}
+
+
 def make_quart_app(relay: Engine, metrics_: Metrics) -> QuartTrio:
     # long because it is the table of the plain routes, each a few lines, closed over the
     # relay they serve.
@@ -43,36 +55,62 @@ def make_quart_app(relay: Engine, metrics_: Metrics) -> QuartTrio:
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = None  # the guard limits bodies
+    table = {entry.rule: entry for entry in SERVED if entry.kind == "quart"}
 
-    @app.get("/healthz")
+    def route(rule: str) -> Callable[[_View], _View]:
+        return app.route(rule, methods=list(table[rule].methods))
+
+    async def refresh_models() -> None:
+        async with trio.open_nursery() as nursery:
+            for provider in relay.providers.values():
+                nursery.start_soon(provider.refresh_models)
+
+    @route("/healthz")
     async def healthz() -> Response:
         status = "draining" if relay.draining else "ok"
         return Response(_json({"status": status}), content_type="application/json")
 
-    @app.get("/v1/models")
+    @route("/v1/models")
     async def models() -> Response:
-        async with trio.open_nursery() as nursery:
-            for provider in relay.providers.values():
-                nursery.start_soon(provider.refresh_models)
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "relay"}
-                for name in relay.config.routes]
-        data += [{"id": ident, "object": "model", "created": 0,
-                  "owned_by": ident.partition("/")[0]} for ident in relay.model_ids()]
+        await refresh_models()
+        data = [_model(name, "relay") for name in relay.config.routes]
+        data += [_model(ident, ident.partition("/")[0]) for ident in relay.model_ids()]
         return Response(_json({"object": "list", "data": data}),
                         content_type="application/json")
 
-    @app.get("/relay/v1/status")
+    @route("/v1/models/<path:model>")
+    async def model(model: str) -> Response:
+        """One entry of ``/v1/models`` (SPEC A1, A8): a route name, ``PROVIDER/MODEL``
+        (the model may hold ``/``), or a bare model exactly one provider lists."""
+        await refresh_models()
+        if model in relay.config.routes:
+            return Response(_json(_model(model, "relay")), content_type="application/json")
+        if model in relay.model_ids():
+            return Response(_json(_model(model, model.partition("/")[0])),
+                            content_type="application/json")
+        owners = [p.name for p in relay.providers.values() if model in p.models]
+        if len(owners) == 1:
+            return Response(_json(_model(model, owners[0])), content_type="application/json")
+        if owners:
+            names = ", ".join(f"{owner}/{model}" for owner in owners)
+            words = f"is offered by several providers; name one of: {names}"
+        else:
+            words = (f"is not known. Known models: "
+                     f"{', '.join(relay.known_names()) or '(none discovered yet)'}")
+        return _error(RelayError("unknown_model", f"model {model!r} {words}", param="model"))
+
+    @route("/relay/v1/status")
     async def status() -> Response:
         body = {"providers": {name: p.status(relay.clock)
                               for name, p in relay.providers.items()},
                 "draining": relay.draining}
         return Response(_json(body), content_type="application/json")
 
-    @app.get("/")
+    @route("/")
     async def status_page() -> Response:
         return page_response()
 
-    @app.get("/relay/v1/requests")
+    @route("/relay/v1/requests")
     async def recent_requests() -> Response:
         """The last records, newest first (``?limit=N``, at most 200): the status page's."""
         limit = request.args.get("limit", "50")
@@ -85,11 +123,11 @@ def make_quart_app(relay: Engine, metrics_: Metrics) -> QuartTrio:
         recent = relay.records.recent[-count:] if count else []
         return Response(_json({"requests": recent[::-1]}), content_type="application/json")
 
-    @app.get("/metrics")
+    @route("/metrics")
     async def metrics() -> Response:
         return Response(metrics_.render(), content_type=CONTENT_TYPE)
 
-    @app.post("/relay/v1/providers/<name>/check")
+    @route("/relay/v1/providers/<name>/check")
     async def check(name: str) -> Response:
         provider = relay.providers.get(name)
         if provider is None:
@@ -99,7 +137,7 @@ def make_quart_app(relay: Engine, metrics_: Metrics) -> QuartTrio:
         body = {**result.as_dict(), "status": provider.status(relay.clock)}
         return Response(_json(body), content_type="application/json")
 
-    @app.post("/relay/v1/reload")
+    @route("/relay/v1/reload")
     async def reload() -> Response:
         try:
             changes = await relay.reload()

@@ -94,6 +94,7 @@ class Record:
     id: str
     started_at: float
     requested_model: str | None = None  # the model as the client named it (a refusal too)
+    endpoint: str | None = None  # the request's path (/v1/embeddings, a path not served …)
     route: str | None = None
     provider: str | None = None
     model: str | None = None

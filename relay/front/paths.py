@@ -1,0 +1,143 @@
+"""The paths relay serves, as one table (`SERVED`): the front routes every request by
+it, Quart registers its routes from it, and a path it does not hold gets a 404 that
+lists it (SPEC 9).
+
+Each entry is a path in werkzeug's rule syntax (``<name>`` one segment, ``<path:name>``
+one or more — a model id may hold ``/``, SPEC A1), its methods, and its kind: a relay
+route served in raw ASGI (``chat`` in the dialect `RELAY_ROUTES` gives it,
+``embeddings``, ``count_tokens``, ``fanout``), or ``quart`` (relay's own JSON routes and
+pages, `relay.front.routes`). A request's path is matched once its percent-escapes are
+decoded (the ASGI ``path``), so ``/v1/models/fake%2Fecho`` is ``/v1/models/fake/echo``.
+
+A path no entry holds is answered here: 404 with the list, in Anthropic's shape under
+``/v1/messages`` and OpenAI's elsewhere, logged in one INFO line and recorded with the
+path as the record's ``endpoint`` — a client with the wrong base URL (``/chat/completions``,
+``/v1/v1/…``) or the wrong API (``/v1/completions``) learns what to use instead.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import re
+
+import attrs
+import trio
+
+from relay.dialects.anthropic_messages import ANTHROPIC
+from relay.dialects.base import Dialect
+from relay.dialects.openai_chat import OPENAI
+from relay.engine.engine import Engine
+from relay.vocab.errors import RelayError
+from relay.vocab.records import Record
+
+from .asgi import RELAY_ROUTES, Scope, Send, send_error
+
+__all__ = ["SERVED", "Served", "dialect_for", "match", "not_served", "served_list"]
+
+logger = logging.getLogger(__name__)
+
+_PARAM = re.compile(r"<(?:(\w+):)?(\w+)>")
+
+
+@attrs.frozen
+class Served:
+    rule: str                  # werkzeug's syntax: "/v1/models/<path:model>"
+    methods: tuple[str, ...]
+    kind: str  # chat | responses | stored | embeddings | count_tokens | fanout | quart
+    dialect: Dialect | None = None  # a relay route's: its bodies and its errors
+    pattern: re.Pattern[str] = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        def part(m: re.Match[str]) -> str:
+            return f"(?P<{m[2]}>[^/].*)" if m[1] == "path" else f"(?P<{m[2]}>[^/]+)"
+
+        regex, pos = "", 0
+        for m in _PARAM.finditer(self.rule):
+            regex += re.escape(self.rule[pos:m.start()]) + part(m)
+            pos = m.end()
+        regex += re.escape(self.rule[pos:])
+        object.__setattr__(self, "pattern", re.compile(regex + r"\Z"))
+
+    @property
+    def shown(self) -> str:
+        """The path as a person reads it: ``/v1/models/{model}``."""
+        return _PARAM.sub(lambda m: "{" + m[2] + "}", self.rule)
+
+    @property
+    def relay_route(self) -> bool:
+        return self.kind != "quart"
+
+
+SERVED: tuple[Served, ...] = (
+    *(Served(path, ("POST",), "responses" if path == "/v1/responses" else "chat", dialect)
+      for path, dialect in RELAY_ROUTES.items()),
+    Served("/v1/responses/<path:response>", ("GET", "DELETE"), "stored", OPENAI),
+    Served("/v1/messages/count_tokens", ("POST",), "count_tokens", ANTHROPIC),
+    Served("/v1/embeddings", ("POST",), "embeddings", OPENAI),
+    Served("/v1/models", ("GET",), "quart"),
+    Served("/v1/models/<path:model>", ("GET",), "quart"),
+    Served("/relay/v1/fanout", ("POST",), "fanout", OPENAI),
+    Served("/relay/v1/status", ("GET",), "quart"),
+    Served("/relay/v1/requests", ("GET",), "quart"),
+    Served("/relay/v1/providers/<name>/check", ("POST",), "quart"),
+    Served("/relay/v1/reload", ("POST",), "quart"),
+    Served("/metrics", ("GET",), "quart"),
+    Served("/healthz", ("GET",), "quart"),
+    Served("/", ("GET",), "quart"),
+)
+
+
+_EXACT = {entry.rule: entry for entry in SERVED if "<" not in entry.rule}
+_PATTERNS = [entry for entry in SERVED if "<" in entry.rule]
+
+
+def match(path: str) -> Served | None:
+    """The entry serving ``path`` (decoded), whatever the method, or None."""
+    entry = _EXACT.get(path)  # every request asks (the guard, the front): keep it cheap
+    if entry is not None:
+        return entry
+    for entry in _PATTERNS:
+        if entry.pattern.match(path):
+            return entry
+    return None
+
+
+def dialect_for(path: str) -> Dialect:
+    """The dialect of every answer on ``path``, errors included: a relay route's own;
+    Anthropic's anywhere under ``/v1/messages``; OpenAI's elsewhere."""
+    entry = match(path)
+    if entry is not None and entry.dialect is not None:
+        return entry.dialect
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return ANTHROPIC
+    return OPENAI
+
+
+def served_list() -> str:
+    return ", ".join(f"{'|'.join(e.methods)} {e.shown}" for e in SERVED)
+
+
+def _suggestion(path: str) -> str | None:
+    shown = [e.shown for e in SERVED]
+    # The usual slips: a base URL without /v1, or with it twice.
+    for guess in (f"/v1{path}", path.removeprefix("/v1")):
+        if guess != path and match(guess) is not None and guess != "/":
+            return guess
+    close = difflib.get_close_matches(path, shown, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+async def not_served(relay: Engine, scope: Scope, send: Send) -> None:
+    """Answer a request for a path relay does not serve (see the module docstring)."""
+    path, method = scope["path"], scope["method"]
+    guess = _suggestion(path)
+    hint = f" Did you mean {guess}?" if guess else ""
+    error = RelayError("invalid_request", f"relay does not serve {method} {path}.{hint} "
+                       f"The paths it serves: {served_list()}", status=404)
+    now = trio.current_time()
+    relay.records.write(Record(id=scope["relay.request_id"], started_at=now, endpoint=path,
+                               status=error.status, reason=error.reason, phase=error.phase))
+    logger.info("not_served request=%s %s %s: 404%s", scope["relay.request_id"], method,
+                path, f" (did you mean {guess}?)" if guess else "")
+    await send_error(send, error, dialect_for(path))
