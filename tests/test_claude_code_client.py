@@ -79,6 +79,16 @@ class Sandbox:
             queue_max = 8
             queue_timeout_s = 30
             run_timeout_s = 60
+            [providers.upr]             # (c): a server that speaks /v1/responses too
+            adapter = "openai"
+            base_url = "http://127.0.0.1:{ports['openai']}/v1"
+            responses = true
+            models = ["agent"]
+            [providers.upr.profile]
+            lanes = 2
+            queue_max = 8
+            queue_timeout_s = 30
+            run_timeout_s = 60
             [providers.ant]
             adapter = "anthropic"
             base_url = "http://127.0.0.1:{ports['anthropic']}/v1"
@@ -189,6 +199,8 @@ def sandbox() -> Iterator[Sandbox]:
     except (subprocess.CalledProcessError, RuntimeError, OSError, AssertionError) as exc:
         box.stop()
         shutil.rmtree(root, ignore_errors=True)
+        if "relay serve did not start" in str(exc):   # relay's fault, not the machine's
+            pytest.fail(str(exc))
         pytest.skip(f"cannot set up the loopback-only namespace here: {exc}")
     yield box
     box.stop()
@@ -199,6 +211,7 @@ PROMPT = "Read the file {path} and tell me the secret line in it."
 
 
 @pytest.mark.parametrize(("model", "server"), [("up/agent", "openai"),
+                                               ("upr/agent", "openai"),
                                                ("ant/claude-agent", "anthropic")])
 async def test_claude_code_reads_a_file_through_relay(sandbox: Sandbox, model: str,
                                                       server: str) -> None:
