@@ -107,7 +107,18 @@ def main(argv: list[str] | None = None) -> int:
         # SPEC O5: orphans of the CLI tools' processes come to relay, which ends them
         # with their turn (the daemon only: an embedding program keeps its own tree).
         become_subreaper()
-        trio.run(run_daemon, config)
+        try:
+            trio.run(run_daemon, config)
+        except BaseException as exc:
+            # A problem only found while starting (SPEC L11: a shared provider's profile
+            # differs from the one the relays sharing it agreed on) is a config error.
+            problems = _config_problems(exc)
+            if not problems:
+                raise
+            print("relay: the configuration has problems:", file=sys.stderr)
+            for problem in problems:
+                print(f"  {problem}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "config":
         config = _load(args.config)
@@ -168,6 +179,28 @@ async def run_daemon(config: Config) -> None:
         names = ", ".join(served.relay.providers)
         print(f"relay listening on {served.url} (config {config.source}; providers: "
               f"{names}; records: {config.records_path})", file=sys.stderr, flush=True)
+
+
+def _config_problems(exc: BaseException) -> list[str]:
+    """The problems of the ConfigError(s) inside ``exc`` (exception groups included),
+    when that is all it holds."""
+    if isinstance(exc, ConfigError):
+        return list(exc.problems)
+    if isinstance(exc, BaseExceptionGroup):
+        matched, rest = exc.split(ConfigError)
+        if matched is not None and rest is None:
+            return [p for e in _leaves(matched) for p in e.problems]
+    return []
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> list[ConfigError]:
+    out: list[ConfigError] = []
+    for e in group.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            out += _leaves(e)
+        elif isinstance(e, ConfigError):
+            out.append(e)
+    return out
 
 
 def describe_config(config: Config) -> str:

@@ -115,6 +115,7 @@ def parse_config(
     server = structure_table(data.get("server", {}), ServerConfig, "server", problems)
     if server is not None:
         _check_server(server, env, problems)
+        _check_coordination(server, env, problems)
 
     providers: dict[str, ProviderConfig] = {}
     raw_providers = data.get("providers", {})
@@ -136,6 +137,13 @@ def parse_config(
         if route is not None:
             routes[name] = route
 
+    if server is not None:
+        shared = [name for name, p in providers.items() if p.shared]
+        if shared and not (server.coordination_url or server.coordination_url_env):
+            problems.append(
+                f"[providers.{shared[0]}] shared: a shared provider needs the coordination "
+                "server: set [server] coordination_url (redis://HOST:PORT/DB) or "
+                "coordination_url_env (the variable holding that URL)")
     if problems:
         raise ConfigError([f"{source}: {p}" for p in problems])
     assert server is not None
@@ -228,6 +236,43 @@ def _check_server(server: ServerConfig, env: Mapping[str, str], problems: list[s
                             "list the Host names clients use to reach relay")
 
 
+_COORDINATION_SCHEMES = ("redis", "rediss", "valkey", "valkeys", "unix")
+
+
+def coordination_url_problem(url: str) -> str | None:
+    """What is wrong with a coordination URL (SPEC L11), or None. Never quotes the URL:
+    it may hold a password."""
+    scheme, _, rest = url.partition("://")
+    if not rest or scheme.lower() not in _COORDINATION_SCHEMES:
+        return ("must be a Redis or Valkey URL: redis://[:PASSWORD@]HOST:PORT/DB, "
+                "rediss://… (TLS) or unix:///PATH")
+    return None
+
+
+def _check_coordination(server: ServerConfig, env: Mapping[str, str],
+                        problems: list[str]) -> None:
+    if server.coordination_url and server.coordination_url_env:
+        problems.append("[server] coordination_url_env: give coordination_url or "
+                        "coordination_url_env, not both")
+    if server.coordination_url is not None:
+        problem = coordination_url_problem(server.coordination_url)
+        if problem:
+            problems.append(f"[server] coordination_url: {problem}")
+    if server.coordination_url_env:
+        value = env.get(server.coordination_url_env)
+        if not value:
+            problems.append(f"[server] coordination_url_env: the environment variable "
+                            f"{server.coordination_url_env} is not set (or empty)")
+        elif (problem := coordination_url_problem(value)) is not None:
+            problems.append(f"[server] coordination_url_env: the value of "
+                            f"{server.coordination_url_env} {problem}")
+    for key in ("relay_id", "coordination_prefix"):
+        value = getattr(server, key)
+        if value is not None and (not value or any(c.isspace() or c in "{}|" for c in value)):
+            problems.append(f"[server] {key}: must be a non-empty name without spaces, "
+                            "'{', '}' or '|'")
+
+
 def _load_provider(
     name: str, table: Any, registry: Mapping[str, Any],
     problems: list[str], warnings: list[str],
@@ -271,6 +316,9 @@ def _load_provider(
     check_model = common.get("check_model")
     if check_model is not None and not (isinstance(check_model, str) and check_model):
         problems.append(f"[{where}] check_model: must be a model name")
+    shared = common.get("shared", False)
+    if not isinstance(shared, bool):
+        problems.append(f"[{where}] shared: expected true or false")
     interval = common.get("check_interval_s")
     if interval is not None and (isinstance(interval, bool)
                                  or not isinstance(interval, int | float) or interval <= 0):
@@ -315,5 +363,6 @@ def _load_provider(
         name=name, adapter=kind, profile=profile, settings=settings, models=models,
         models_configured=bool(models), prefill=prefill,
         check_interval_s=float(interval) if interval is not None else None,
-        check_model=check_model, secret_envs=tuple(adapter.secret_envs(settings)),
+        check_model=check_model, shared=shared is True,
+        secret_envs=tuple(adapter.secret_envs(settings)),
         secret_values=tuple(adapter.secret_values(settings)))

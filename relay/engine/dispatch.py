@@ -64,6 +64,7 @@ FALLBACK_ON = frozenset({
     "rate_limited", "quota_exhausted", "stream_cut", "bad_upstream_response",
     "upstream_unavailable", "upstream_error", "context_too_long",
     "provider_queue_full", "provider_queue_timeout",
+    "coordination_unavailable", "coordination_lost",  # the next target may be local (L11)
 })
 # F3: the failures the same target may fix when asked again (never a timeout or a 4xx).
 RETRY_ON = frozenset({"rate_limited", "upstream_error", "upstream_unavailable", "stream_cut"})
@@ -367,6 +368,7 @@ class Dispatcher:
                                              + (now - run.queued_at) * 1000, 3)
             if ticket is not None and ticket.released_at is not None:
                 attempt.released_at = ticket.released_at
+                attempt.lease_expired = ticket.lease_expired  # a shared slot (SPEC L11)
                 if ticket.started_at is not None:  # summed over the attempts
                     self.record.run_ms = round((self.record.run_ms or 0.0) + (
                         ticket.released_at - ticket.started_at) * 1000, 3)

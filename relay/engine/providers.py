@@ -30,10 +30,10 @@ from relay.vocab.errors import RelayError
 from relay.vocab.profile import ProviderConfig
 from relay.vocab.records import Clock
 
-from .lanes import Lane
-
 if TYPE_CHECKING:
     from relay.api.adapter import Adapter
+
+    from .lane_api import LaneLike
 
 __all__ = ["AdapterHandle", "Provider"]
 
@@ -92,7 +92,7 @@ class Provider:
 
     config: ProviderConfig
     handle: AdapterHandle
-    lane: Lane
+    lane: LaneLike
     models: list[str]
     state: str = "unverified"  # unverified | connected | warning | failing (SPEC H4)
     state_reason: str | None = None
@@ -140,8 +140,11 @@ class Provider:
             "checked_at": clock.iso(self.checked_at),
             "models": self.models,
             "warning": self.warning,
+            # A shared lane's running and queued are every relay's (SPEC L11); held_here
+            # is this relay's part.
             "lanes": {"running": stats.running, "capacity": stats.capacity,
-                      "queued": stats.queued, "queue_max": stats.queue_max},
+                      "queued": stats.queued, "queue_max": stats.queue_max,
+                      "shared": self.lane.shared, "held_here": self.lane.held_here},
         })
 
 
