@@ -1,40 +1,198 @@
-"""Shared lanes (SPEC L11) through the assembled relay and a real redis-server."""
+"""Shared lanes (SPEC L11) through the assembled relay and a real redis-server: three
+relays in one test process (``relay.serve`` on loopback), each with its own records."""
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
-from conftest import start_relay, wait_for
+from conftest import config_from, records, start_relay, wait_for
 from redis_server import RedisServer, redis_fixture  # noqa: F401  (the fixture)
 from shared_helpers import Peak, body, shared_config
 from upstream import FakeUpstream, Script
 
+from relay import Served
 
-async def test_three_relays_never_run_more_than_lanes_at_the_upstream(
+
+async def three(nursery: trio.Nursery, tmp_path: Path, up: FakeUpstream, url: str,
+                **kw: Any) -> list[Served]:
+    out = []
+    for n in range(3):
+        (tmp_path / f"r{n}").mkdir(exist_ok=True)
+        out.append(await start_relay(nursery, shared_config(up, url, f"r{n}", **kw),
+                                     tmp_path / f"r{n}"))
+    return out
+
+
+def queued(redis: RedisServer) -> int:
+    return int(redis.command("ZCARD", "{relay:up}:w").strip()[1:])
+
+
+def lane(served: Served) -> Any:
+    return served.relay.providers["up"].lane
+
+
+async def all_idle(relays: list[Served], redis: RedisServer) -> None:
+    """Every relay's view (refreshed by its renewals) and the server: 0 and 0."""
+    await wait_for(lambda: all(lane(s).statistics().running == 0
+                               and lane(s).statistics().queued == 0
+                               and lane(s).held_here == 0 for s in relays), limit_s=10)
+    assert redis.command("ZCARD", "{relay:up}:h").strip() == b":0"
+    assert redis.command("ZCARD", "{relay:up}:w").strip() == b":0"
+
+
+async def test_three_relays_under_load_with_cut_offs_never_exceed_lanes(
         tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
         client: httpx.AsyncClient) -> None:
-    upstream.scripts["slow"] = Script(chunks=["a", "b", "c"], chunk_delay_s=0.05)
+    upstream.scripts["slow"] = Script(chunks=["a", "b", "c", "d"], chunk_delay_s=0.03)
     peak = Peak(upstream)
+    rng = random.Random(14)
     async with trio.open_nursery() as nursery:
-        relays = []
-        for n in range(3):
-            (tmp_path / f"r{n}").mkdir()
-            relays.append(await start_relay(
-                nursery, shared_config(upstream, redis.url, f"r{n}"), tmp_path / f"r{n}"))
-        results: list[int] = []
+        relays = await three(nursery, tmp_path, upstream, redis.url, queue_max=200)
+        statuses: list[int | str] = []
 
         async def one(i: int) -> None:
-            r = await client.post(f"{relays[i % 3].url}/v1/chat/completions",
-                                  json=body("up/slow"))
-            results.append(r.status_code)
+            stream = i % 2 == 0
+            with trio.move_on_after(rng.uniform(0.05, 0.4) if i % 17 == 0 else 60) as cut:
+                r = await client.post(f"{relays[i % 3].url}/v1/chat/completions",
+                                      json=body("up/slow", stream=stream))
+                statuses.append(r.status_code)
+            if cut.cancelled_caught:
+                statuses.append("cut")
 
         async with trio.open_nursery() as load:
-            for i in range(30):
+            for i in range(90):
                 load.start_soon(one, i)
-        assert results == [200] * 30
-        assert peak.peak == 4
-        for served in relays:
-            await wait_for(lambda s=served: s.relay.providers["up"].lane.statistics().running == 0)
+                await trio.sleep(0.005)
+        assert statuses.count(200) + statuses.count("cut") == 90, statuses
+        assert peak.peak == 4  # exactly lanes: never more, and the slots were all used
+        await all_idle(relays, redis)
+        mine = {r["relay_id"] for n in range(3) for r in records(tmp_path / f"r{n}")}
+        assert mine == {"r0", "r1", "r2"}
         nursery.cancel_scope.cancel()
+
+
+async def test_priority_orders_the_queue_across_relays(
+        tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
+        client: httpx.AsyncClient) -> None:
+    upstream.scripts["hold"] = Script(hang=True)
+    async with trio.open_nursery() as nursery:
+        a, b, c = await three(nursery, tmp_path, upstream, redis.url, lanes=1)
+        done: list[str] = []
+
+        async def ask(served: Served, text: str, priority: str = "normal",
+                      model: str = "up/m1") -> None:
+            r = await client.post(f"{served.url}/v1/chat/completions",
+                                  json={**body(model), "messages": [
+                                      {"role": "user", "content": text}]},
+                                  headers={"X-Relay-Priority": priority})
+            done.append(f"{text}:{r.status_code}")
+
+        holder = trio.CancelScope()
+
+        async def hold() -> None:
+            with holder:
+                await ask(a, "holder", "normal", "up/hold")
+
+        async with trio.open_nursery() as waiting:
+            waiting.start_soon(hold)
+            await upstream.wait_for_requests(1)
+            for n in range(3):  # queued first, on relay b
+                waiting.start_soon(ask, b, f"normal{n}")
+                await wait_for(lambda n=n: queued(redis) == n + 1)
+            waiting.start_soon(ask, c, "urgent", "interactive")  # later, on relay c
+            await wait_for(lambda: queued(redis) == 4)
+            holder.cancel()  # the holder's client leaves: its slot frees
+        order = [r.json["messages"][0]["content"] for r in upstream.requests]
+        assert order == ["holder", "urgent", "normal0", "normal1", "normal2"], order
+        assert sorted(done) == ["normal0:200", "normal1:200", "normal2:200", "urgent:200"]
+        await all_idle([a, b, c], redis)
+        nursery.cancel_scope.cancel()
+
+
+async def test_status_metrics_and_records_say_shared_global_and_held_here(
+        tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
+        client: httpx.AsyncClient) -> None:
+    upstream.scripts["hold"] = Script(hang=True)
+
+    async def post(url: str, json_body: dict[str, Any]) -> None:
+        await client.post(url, json=json_body)
+
+    async with trio.open_nursery() as nursery:
+        a, b, _ = await three(nursery, tmp_path, upstream, redis.url, lanes=2)
+        async with trio.open_nursery() as held:
+            for _ in range(2):
+                held.start_soon(post, f"{a.url}/v1/chat/completions", body("up/hold"))
+            await upstream.wait_for_requests(2)
+            held.start_soon(post, f"{b.url}/v1/chat/completions", body("up/m1"))
+            await wait_for(lambda: lane(b).statistics().queued == 1)
+            await wait_for(lambda: lane(a).statistics().queued == 1, limit_s=5)  # renewal
+            sa = (await client.get(f"{a.url}/relay/v1/status")).json()["providers"]
+            sb = (await client.get(f"{b.url}/relay/v1/status")).json()["providers"]
+            assert sa["up"]["lanes"] == {"running": 2, "capacity": 2, "queued": 1,
+                                         "queue_max": 64, "shared": True, "held_here": 2}
+            assert sb["up"]["lanes"] == {"running": 2, "capacity": 2, "queued": 1,
+                                         "queue_max": 64, "shared": True, "held_here": 0}
+            assert sa["fake"]["lanes"]["shared"] is False
+            metrics = (await client.get(f"{a.url}/metrics")).text
+            assert 'relay_lane_running{provider="up",scope="global"} 2.0' in metrics
+            assert 'relay_lane_queued{provider="up",scope="global"} 1.0' in metrics
+            assert 'relay_lane_running{provider="fake"} 0.0' in metrics
+            assert 'relay_lane_held_here{provider="up"} 2.0' in metrics
+            held.cancel_scope.cancel()
+        r = await client.post(f"{b.url}/v1/chat/completions", json=body("up/m1"))
+        assert r.status_code == 200
+        (answered,) = [r for r in records(tmp_path / "r1") if r["status"] == 200]
+        assert answered["relay_id"] == "r1" and answered["attempts"][0]["released_at"]
+        assert "lease_expired" not in answered["attempts"][0]
+        nursery.cancel_scope.cancel()
+
+
+async def test_server_unreachable_answers_503_at_once_and_falls_back_to_a_local_provider(
+        tmp_path: Path, upstream: FakeUpstream, client: httpx.AsyncClient) -> None:
+    text = shared_config(upstream, "redis://127.0.0.1:9/0", "lonely", lease_s=3) + """
+[routes.safe]
+primary = "up/m1"
+fallbacks = ["fake/echo"]
+"""
+    async with trio.open_nursery() as nursery:
+        served = await start_relay(nursery, text, tmp_path)
+        with trio.fail_after(1.0):  # at once: nothing waits on a dead server
+            r = await client.post(f"{served.url}/v1/chat/completions", json=body("up/m1"))
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "coordination_unavailable"
+        assert err["relay"]["phase"] == "coordination"
+        assert r.headers["retry-after"] == "3" and r.headers["x-should-retry"] == "true"
+        local = await client.post(f"{served.url}/v1/chat/completions", json=body("fake/echo"))
+        assert local.status_code == 200
+        routed = await client.post(f"{served.url}/v1/chat/completions", json=body("safe"))
+        assert routed.status_code == 200, routed.text
+        (rec,) = [x for x in records(tmp_path) if x["route"] == "safe"]
+        assert rec["fallback_triggered"] is True
+        assert rec["attempts"][0]["failure"] == "coordination_unavailable"
+        assert upstream.requests == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_coordination_password_is_redacted_everywhere(
+        tmp_path: Path, upstream: FakeUpstream, client: httpx.AsyncClient,
+        monkeypatch: Any) -> None:
+    secret = "s3cret-coordination-pass"
+    monkeypatch.setenv("RELAY_COORD", f"redis://:{secret}@127.0.0.1:9/0")
+    text = shared_config(upstream, "unused", "r").replace(
+        'coordination_url = "unused"', 'coordination_url_env = "RELAY_COORD"')
+    config = config_from(text, tmp_path)
+    assert secret in config.secrets()
+    async with trio.open_nursery() as nursery:
+        served = await start_relay(nursery, text, tmp_path)
+        r = await client.post(f"{served.url}/v1/chat/completions", json=body("up/m1"))
+        assert r.status_code == 503 and secret not in r.text
+        status = await client.get(f"{served.url}/relay/v1/status")
+        assert secret not in status.text
+        nursery.cancel_scope.cancel()
+    assert secret not in json.dumps(records(tmp_path))

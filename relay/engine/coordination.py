@@ -38,6 +38,7 @@ import itertools
 import logging
 import math
 import secrets
+import urllib.parse
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -201,7 +202,27 @@ class Coordinator:
             self._renew_now = trio.Event()
             await self._renew_all()
 
+    async def _reachable(self) -> bool:
+        """Whether the server accepts a connection now, asked with a plain socket first:
+        coredis leaves a failed connection's memory streams unclosed (ResourceWarnings),
+        so while the server is down it is not asked to connect at all."""
+        parts = urllib.parse.urlsplit(self._url)
+        try:
+            with trio.fail_after(self.command_timeout_s):
+                if parts.scheme == "unix":
+                    stream: trio.abc.Stream = await trio.open_unix_socket(parts.path)
+                else:
+                    stream = await trio.open_tcp_stream(parts.hostname or "127.0.0.1",
+                                                        parts.port or 6379)
+                await stream.aclose()
+        except (OSError, trio.TooSlowError, ValueError) as exc:
+            self._down(f"cannot connect: {exc or type(exc).__name__}")
+            return False
+        return True
+
     async def _renew_all(self, *, at_start: bool = False) -> None:
+        if not self.available and not await self._reachable():
+            return
         sent = trio.current_time()
         for lane in list(self.lanes.values()):
             try:
@@ -231,9 +252,13 @@ class Coordinator:
         """This relay's wake-up channel: grants (``g member``) and the pacer's "ask
         again in N ms" (``p lane ms``). A lost message costs one renewal tick."""
         while True:
+            if not await self._reachable():
+                await trio.sleep(DOWN_RETRY_S)
+                continue
             try:
                 async with self._client.pubsub(channels=[self.channel],
-                                               ignore_subscribe_messages=True) as ps:
+                                               ignore_subscribe_messages=True,
+                                               retry_policy=NoRetryPolicy()) as ps:
                     self.subscribed.set()
                     async for message in ps:
                         self._message(str(message.get("data", "")))

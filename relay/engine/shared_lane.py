@@ -109,8 +109,7 @@ class SharedLane:
     def statistics(self) -> LaneStatistics:
         lanes, queue_max, _ = self._stored
         return LaneStatistics(running=max(self._running, len(self._holders)),
-                              capacity=lanes, queued=max(self._queued, len(self._waiters)),
-                              queue_max=queue_max)
+                              capacity=lanes, queued=self._queued, queue_max=queue_max)
 
     def estimate_wait_s(self) -> float:
         lanes, _, rpm = self._stored
