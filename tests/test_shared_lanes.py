@@ -196,3 +196,51 @@ async def test_the_coordination_password_is_redacted_everywhere(
         assert secret not in status.text
         nursery.cancel_scope.cancel()
     assert secret not in json.dumps(records(tmp_path))
+
+
+async def test_a_reload_stores_the_new_profile_for_every_relay(
+        tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
+        caplog: Any) -> None:
+    caplog.set_level("INFO", logger="relay.engine.shared_lane")
+    async with trio.open_nursery() as nursery:
+        a, b, _ = await three(nursery, tmp_path, upstream, redis.url, lanes=2)
+        new = config_from(shared_config(upstream, redis.url, "r0", lanes=3, queue_max=9),
+                          tmp_path / "r0")
+        changes = await a.relay.reload(new)
+        assert any("provider up: profile changed" in c for c in changes), changes
+        await wait_for(lambda: lane(a).statistics().capacity == 3)
+        # The others apply it in place at their next renewal, and log it.
+        await wait_for(lambda: lane(b).statistics().capacity == 3
+                       and lane(b).statistics().queue_max == 9)
+        assert any("profile changed by relay r0: lanes 2→3" in m for m in caplog.messages)
+        nursery.cancel_scope.cancel()
+
+
+async def test_one_relay_runs_a_shared_providers_interval_check_per_interval(
+        tmp_path: Path, redis: RedisServer, upstream: FakeUpstream) -> None:
+    async with trio.open_nursery() as nursery:
+        a, b, c = await three(nursery, tmp_path, upstream, redis.url)
+        won = [await lane(s).claim_check(30.0) for s in (a, b, c)]
+        assert won == [True, False, False]
+        assert await a.relay.providers["fake"].lane.claim_check(30.0)  # local: its own
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_stored_profile_expires_one_lease_after_the_last_relay_left(
+        tmp_path: Path, redis: RedisServer, upstream: FakeUpstream) -> None:
+    lease = 1.0
+    async with trio.open_nursery() as nursery:
+        await start_relay(nursery, shared_config(upstream, redis.url, "gone", lanes=2,
+                                                 lease_s=lease), tmp_path)
+        nursery.cancel_scope.cancel()
+    left_at = trio.current_time()
+    assert redis.command("EXISTS", "{relay:up}:m").strip() == b":1"
+    await wait_for(lambda: redis.command("EXISTS", "{relay:up}:m").strip() == b":0",
+                   limit_s=lease + 2)
+    assert trio.current_time() - left_at <= lease + 0.5
+    async with trio.open_nursery() as nursery:  # a different profile is welcome now
+        (tmp_path / "new").mkdir()
+        served = await start_relay(nursery, shared_config(upstream, redis.url, "new", lanes=5,
+                                                          lease_s=lease), tmp_path / "new")
+        assert lane(served).statistics().capacity == 5
+        nursery.cancel_scope.cancel()

@@ -105,18 +105,16 @@ local function pump()
     if S.rpm > 0 then due = math.max(due, S.last + 60000 / S.rpm) end
     if now < due then
       local ms = math.ceil(due - now)
-      if owner(head) ~= instance then
-        redis.call('PUBLISH', chan .. owner(head), 'p ' .. lane_name .. ' ' .. ms)
-      end
+      redis.call('PUBLISH', chan .. owner(head), 'p ' .. lane_name .. ' ' .. ms)
       return ms
     end
     redis.call('ZREM', W, head)
     redis.call('ZREM', WX, head)
     grant(head)
     table.insert(granted, head)
-    if owner(head) ~= instance then
-      redis.call('PUBLISH', chan .. owner(head), 'g ' .. head)
-    end
+    -- Published to its own relay too: the reply that lists it may never be read (the
+    -- call that made it was cancelled), and a renewal tick is too long to idle a slot.
+    redis.call('PUBLISH', chan .. owner(head), 'g ' .. head)
     free = free - 1
   end
   return -1
