@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import trio
-from conftest import start_relay, wait_for
+from conftest import records, start_relay, wait_for
 from redis_server import RedisServer, redis_fixture  # noqa: F401  (the fixture)
 from shared_helpers import Peak, body, shared_config, start_serve
 from upstream import FakeUpstream, Script
@@ -102,6 +102,12 @@ async def test_a_stopped_server_gives_honest_503s_and_service_resumes(
             assert held[0].json()["error"]["code"] == "coordination_lost"
             assert trio.current_time() - stopped_at < lease
             await upstream.wait_until(lambda: upstream.active_responses() == 0)
+            # Its release could not reach the server: the record says so.
+            await wait_for(lambda: any(r["reason"] == "coordination_lost"
+                                       for r in records(tmp_path)))
+            (lost,) = [r for r in records(tmp_path) if r["reason"] == "coordination_lost"]
+            assert lost["status"] == 503 and lost["relay_id"] == "r"
+            assert lost["attempts"][0]["lease_expired"] is True, lost
             # New requests: an honest 503 at once, with Retry-After = the lease.
             with trio.fail_after(2.0):
                 r = await client.post(f"{served.url}/v1/chat/completions",

@@ -244,3 +244,67 @@ async def test_a_stored_profile_expires_one_lease_after_the_last_relay_left(
                                                           lease_s=lease), tmp_path / "new")
         assert lane(served).statistics().capacity == 5
         nursery.cancel_scope.cancel()
+
+
+async def test_queue_max_is_counted_across_relays(
+        tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
+        client: httpx.AsyncClient) -> None:
+    upstream.scripts["hold"] = Script(hang=True)
+
+    async def post(url: str, model: str) -> None:
+        await client.post(f"{url}/v1/chat/completions", json=body(model))
+
+    async with trio.open_nursery() as nursery:
+        a, b, c = await three(nursery, tmp_path, upstream, redis.url, lanes=1, queue_max=2)
+        async with trio.open_nursery() as held:
+            held.start_soon(post, a.url, "up/hold")
+            await upstream.wait_for_requests(1)
+            held.start_soon(post, a.url, "up/m1")
+            await wait_for(lambda: queued(redis) == 1)
+            held.start_soon(post, b.url, "up/m1")
+            await wait_for(lambda: queued(redis) == 2)
+            r = await client.post(f"{c.url}/v1/chat/completions", json=body("up/m1"))
+            assert r.status_code == 429, r.text
+            err = r.json()["error"]
+            assert err["code"] == "provider_queue_full"
+            assert "1/1 running, 2 queued (queue_max 2) across every relay" in err["message"]
+            held.cancel_scope.cancel()
+        await all_idle([a, b, c], redis)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_lost_wake_up_is_made_up_by_the_next_renewal(
+        tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
+        client: httpx.AsyncClient) -> None:
+    """Pub/sub is at most once: a grant published while the waiter's relay is not
+    subscribed is lost; that relay's next renewal (every lease / 4) finds it granted."""
+    upstream.scripts["hold"] = Script(hang=True)
+    lease = 2.0
+    async with trio.open_nursery() as nursery:
+        a, b, _ = await three(nursery, tmp_path, upstream, redis.url, lanes=1, lease_s=lease)
+        coord_b = b.relay.coordinator
+        assert coord_b is not None
+        holder = trio.CancelScope()
+
+        async def hold() -> None:
+            with holder:
+                await client.post(f"{a.url}/v1/chat/completions", json=body("up/hold"))
+
+        got: list[float] = []
+
+        async def wait_on_b() -> None:
+            r = await client.post(f"{b.url}/v1/chat/completions", json=body("up/m1"))
+            assert r.status_code == 200
+            got.append(trio.current_time())
+
+        nursery.start_soon(hold)
+        await upstream.wait_for_requests(1)
+        nursery.start_soon(wait_on_b)
+        await wait_for(lambda: queued(redis) == 1)
+        # b's subscription is cut: the grant a's release publishes reaches no one.
+        assert redis.command("CLIENT", "KILL", "TYPE", "pubsub").strip() != b":0"
+        released = trio.current_time()
+        holder.cancel()
+        await wait_for(lambda: bool(got), limit_s=lease)
+        assert got[0] - released <= coord_b.tick_s + 0.5, got[0] - released
+        nursery.cancel_scope.cancel()
