@@ -308,3 +308,31 @@ async def test_a_lost_wake_up_is_made_up_by_the_next_renewal(
         await wait_for(lambda: bool(got), limit_s=lease)
         assert got[0] - released <= coord_b.tick_s + 0.5, got[0] - released
         nursery.cancel_scope.cancel()
+
+
+async def test_a_waiting_notice_shows_the_global_numbers(
+        tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
+        client: httpx.AsyncClient) -> None:
+    upstream.scripts["hold"] = Script(hang=True)
+    async with trio.open_nursery() as nursery:
+        a, b, _ = await three(nursery, tmp_path, upstream, redis.url, lanes=1)
+
+        async def hold() -> None:
+            await client.post(f"{a.url}/v1/chat/completions", json=body("up/hold"))
+
+        async with trio.open_nursery() as held:
+            held.start_soon(hold)
+            await upstream.wait_for_requests(1)
+            async with client.stream("POST", f"{b.url}/v1/chat/completions",
+                                     json=body("up/m1", stream=True),
+                                     headers={"X-Relay-Progress": "events"}) as r:
+                first = b""
+                async for chunk in r.aiter_bytes():
+                    first += chunk
+                    if b"\n\n" in first:
+                        break
+            # b holds nothing: the running slot is a's, and the numbers say so.
+            assert first.startswith(b'event: relay.waiting\ndata: {"running":1,"capacity":1,'
+                                    b'"queued":1'), first
+            held.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
