@@ -336,3 +336,19 @@ async def test_a_waiting_notice_shows_the_global_numbers(
                                     b'"queued":1'), first
             held.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_removed_shared_provider_is_no_longer_renewed_once_idle(
+        tmp_path: Path, redis: RedisServer, upstream: FakeUpstream) -> None:
+    async with trio.open_nursery() as nursery:
+        a, _, _ = await three(nursery, tmp_path, upstream, redis.url)
+        coord = a.relay.coordinator
+        assert coord is not None and "up" in coord.lanes
+        text = shared_config(upstream, redis.url, "r0").split("[providers.up]")[0] + """
+[providers.fake]
+adapter = "fake"
+models = ["echo"]
+"""
+        await a.relay.reload(config_from(text, tmp_path / "r0"))
+        await wait_for(lambda: "up" not in coord.lanes)
+        nursery.cancel_scope.cancel()

@@ -102,6 +102,12 @@ class Coordinator:
         self.lanes[lane.name] = lane
         self.renew_soon()
 
+    async def forget_when_idle(self, lane: SharedLane) -> None:
+        """A removed provider's lane: renewed until its last request has left."""
+        await lane.wait_idle()
+        if self.lanes.get(lane.name) is lane:
+            del self.lanes[lane.name]
+
     def new_member(self) -> str:
         return f"{self.instance}|{next(self._members)}"
 
@@ -144,6 +150,12 @@ class Coordinator:
         except _FOREIGN as exc:
             self._down(f"{type(exc).__name__}: {exc}")
             raise self.unavailable(provider) from exc
+        except BaseExceptionGroup as group:  # the client's own task groups
+            foreign, rest = group.split(_FOREIGN)
+            if foreign is None or rest is not None:
+                raise  # a stop (trio.Cancelled) or a bug: never swallowed
+            self._down(f"{type(foreign.exceptions[0]).__name__}: {foreign.exceptions[0]}")
+            raise self.unavailable(provider) from group
 
     async def claim_check(self, lane: str, interval_s: float) -> bool:
         """True when this relay runs the lane's interval check now (one relay per

@@ -172,6 +172,8 @@ class Engine:
         for name, gone in self.providers.items():
             if name not in providers:
                 gone.handle.retire()
+                if self.coordinator is not None and isinstance(gone.lane, SharedLane):
+                    self.nursery.start_soon(self.coordinator.forget_when_idle, gone.lane)
                 changes.append(f"provider {name}: removed (its running and queued requests "
                                "finish)")
         if dict(config.routes) != dict(self.config.routes):
