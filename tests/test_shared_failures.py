@@ -211,3 +211,48 @@ async def test_a_relay_paused_longer_than_its_lease_over_admits_until_it_wakes(
         with contextlib.suppress(ProcessLookupError):
             child.proc.kill()
         await child.proc.wait()
+
+
+async def test_a_waiter_that_left_while_the_server_was_stopped_does_not_block_the_queue(
+        tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
+        client: httpx.AsyncClient) -> None:
+    """A waiter whose client left while the server was stopped: its LEAVE timed out
+    here. Left on the server, it would head the queue until its lease ends (the slot
+    granted to it would idle). It is gone soon after the server is back — the timed-out
+    command lands late, and the renewal tries it again (`Coordinator.orphans`)."""
+    upstream.scripts["hold"] = Script(hang=True)
+    lease = 4.0
+    async with trio.open_nursery() as nursery:
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        a = await start_relay(nursery, shared_config(upstream, redis.url, "a", lanes=1,
+                                                     lease_s=lease), tmp_path / "a")
+        b = await start_relay(nursery, shared_config(upstream, redis.url, "b", lanes=1,
+                                                     lease_s=lease), tmp_path / "b")
+        coord_b = b.relay.coordinator
+        assert coord_b is not None
+        nursery.start_soon(post, client, a.url, "up/hold")
+        await upstream.wait_for_requests(1)
+        waiter = trio.CancelScope()
+
+        async def wait_on_b() -> None:
+            with waiter:
+                await post(client, b.url, "up/m1")
+
+        nursery.start_soon(wait_on_b)
+
+        def queued() -> bytes:
+            return redis.command("ZCARD", "{relay:up}:w").strip()
+
+        await wait_for(lambda: queued() == b":1")
+        redis.pause()
+        try:
+            waiter.cancel()  # its LEAVE cannot reach the stopped server
+            await wait_for(lambda: bool(coord_b.orphans))
+        finally:
+            redis.resume()
+        resumed = trio.current_time()
+        await wait_for(lambda: queued() == b":0" and not coord_b.orphans, limit_s=lease)
+        # Well before its lease could have ended it (>= 2 s after the resume here).
+        assert trio.current_time() - resumed < 1.5
+        nursery.cancel_scope.cancel()

@@ -91,6 +91,9 @@ class Coordinator:
         self._scripts: dict[str, Any] = {}
         self._renew_now = trio.Event()
         self._nursery: trio.Nursery | None = None
+        # Give-backs (LEAVE, RELEASE) that did not reach the server: member -> (lane,
+        # script, since). Retried after each renewal until the lease has ended them.
+        self.orphans: dict[str, tuple[SharedLane, str, float]] = {}
 
     # --- what lanes ask ---------------------------------------------------------------------
     @property
@@ -252,6 +255,13 @@ class Coordinator:
                         ", ".join(self.lanes) or "no shared provider yet")
         for lane in self.lanes.values():
             lane.renewed(self.lost_at)
+        for member, (lane, script, since) in list(self.orphans.items()):
+            if trio.current_time() - since < self.lease_s:
+                try:
+                    await lane.retry_give_back(script, member)
+                except RelayError:
+                    return
+            self.orphans.pop(member, None)
 
     def _down(self, why: str) -> None:
         if self.available:

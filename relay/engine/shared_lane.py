@@ -242,12 +242,24 @@ class SharedLane:
         then ends the place or the slot)."""
         if not m.on_server:
             return "left"
+        # Until the server has heard it, the renewal loop tries again (a ghost waiter at
+        # the head of the queue would be granted a slot that idles for a lease).
+        self._coord.orphans[m.member] = (self, script, trio.current_time())
         try:
             status = await self._call(script, m.member)
         except RelayError:
             return None
+        self._coord.orphans.pop(m.member, None)
         m.on_server = False
         return status if status != "stale" else "released"  # the state it was in is gone
+
+    async def retry_give_back(self, script: str, member: str) -> None:
+        """A `LEAVE` or `RELEASE` that did not reach the server, again.
+
+        Raises:
+            RelayError: ``coordination_unavailable``.
+        """
+        await self._call(script, member)
 
     async def _call(self, script: str, *extra: Any) -> str:
         reply = await self._coord.call(script, self._keys, self._args(*extra),
