@@ -32,6 +32,16 @@ And at each event:
   or leaves only later — priority order, FIFO within a class, no barging;
 - ``end``: 0 running and 0 queued at the end, and `wait_idle()` returns.
 
+Real time (``slack`` > 0, `run_seed_real_time`): for lanes whose state lives elsewhere
+(a shared lane, SPEC L11: every step is a round trip to the coordination server), the
+same run plays in real time, its durations scaled by ``scale``, and the checker samples
+every ``slack / 4`` s instead of stepping through instants. Then a rule holds within
+``slack``: a free slot may idle while someone waits for at most ``slack`` (the hand-off
+latency), timeouts come within ``slack``, two starts are at least ``gap - slack`` apart,
+FIFO within a class is judged between arrivals more than ``slack`` apart; the lanes'
+numbers are only compared with the model at the end (they are the server's, as of the
+last reply), and the ``queue_max`` rules are left to the assembled tests.
+
 The interface is a factory: an async context manager that, given a profile, yields the
 lane object(s) under test. Several objects must share one state (a shared lane, SPEC L11:
 one per relay); arrivals go to a random one, reloads to all. A lane object offers
@@ -64,7 +74,7 @@ from relay.vocab.errors import RelayError
 from relay.vocab.profile import Profile
 
 __all__ = ["KINDS", "MUTANTS", "FuzzReport", "LaneFactory", "LaneUnderTest", "Violation",
-           "fuzz_lanes", "local_lane", "run_seed"]
+           "fuzz_lanes", "local_lane", "run_seed", "run_seed_real_time"]
 
 EPS = 1e-9
 KINDS = ("idle", "leak", "overdue", "wait_idle", "capacity", "pacer", "queue_max",
@@ -200,7 +210,13 @@ def _profile_str(p: Profile) -> str:
 
 class _Fuzz:
     def __init__(self, lanes: Sequence[LaneUnderTest], profile: Profile, seed: int,
-                 rng: random.Random, report: FuzzReport, grid: float | None) -> None:
+                 rng: random.Random, report: FuzzReport, grid: float | None,
+                 slack: float = 0.0, scale: float = 1.0) -> None:
+        self.real_time = slack > 0
+        self.eps = max(EPS, slack)
+        self.scale = scale
+        self.idle_since: float | None = None
+        self.watchers_since: float | None = None
         self.lanes = lanes
         self.profile = profile
         self.seed = seed
@@ -254,7 +270,7 @@ class _Fuzz:
         c.order = self.order
         self.order += 1
         stats = c.stats_before
-        if stats is not None and stats.queued >= stats.queue_max:
+        if not self.real_time and stats is not None and stats.queued >= stats.queue_max:
             self.fail("queue_max", f"#{c.n} was queued with {stats.queued} already queued, "
                       f"queue_max {stats.queue_max}")
 
@@ -271,14 +287,14 @@ class _Fuzz:
             self.report.count("started after waiting")
         running = len(self.running())
         lanes, gap = self.profile.lanes, self.gap()
-        if now == self.reloaded_at:
+        if now - self.reloaded_at <= (self.eps if self.real_time else 0.0):
             old = self.before_reload
             lanes = max(lanes, old.lanes)
             gap = min(gap, 60.0 / old.rpm if old.rpm > 0 else 0.0)
         if running > lanes:
             self.fail("capacity", f"#{c.n} started with {running} running > lanes "
                       f"{self.profile.lanes}; {self.state()}")
-        if gap > 0 and now - self.last_start < gap - EPS:
+        if gap > 0 and now - self.last_start < gap - self.eps:
             self.fail("pacer", f"#{c.n} started {now - self.last_start:g} s after the last "
                       f"start, the pacer allows one per {self.gap():g} s; {self.state()}")
         self.last_start = now
@@ -349,12 +365,13 @@ class _Fuzz:
             self.fail("error", f"#{c.n}: {exc.reason} with phase {exc.phase}, status "
                       f"{exc.status}, retry_after_s {exc.retry_after_s}")
         if exc.reason == "provider_queue_full":
-            if c.queued_at is not None or stats.queued < stats.queue_max:
+            if c.queued_at is not None or (not self.real_time
+                                           and stats.queued < stats.queue_max):
                 self.fail("queue_max", f"#{c.n} refused as full with {stats.queued} queued, "
                           f"queue_max {stats.queue_max}")
         elif exc.reason == "provider_queue_timeout":
             due = c.arrived_at + c.timeout_s
-            if c.queued_at is None or abs(now - due) > EPS:
+            if c.queued_at is None or abs(now - due) > self.eps:
                 self.fail("timeout", f"#{c.n} timed out at {now:g}, due at {due:g}")
         else:
             self.fail("error", f"#{c.n}: unexpected {exc.reason}: {exc.message}")
@@ -362,7 +379,7 @@ class _Fuzz:
     def spawn(self, nursery: trio.Nursery) -> None:
         rng = self.rng
         priority = rng.choices(list(PRIORITIES), weights=[2, 5, 3])[0]
-        mean_run = max(0.5, 3.0 * self.profile.queue_timeout_s / 10)
+        mean_run = max(0.5 * self.scale, 3.0 * self.profile.queue_timeout_s / 10)
         run_s = self.draw(0.0, 2 * mean_run)
         patience = self.draw(0.0, 1.5 * self.profile.queue_timeout_s + mean_run) if (
             rng.random() < 0.25) else None
@@ -378,7 +395,14 @@ class _Fuzz:
             self.idle_watchers -= 1
         stats = lane.statistics()
         self.report.count("wait_idle returned")
-        if stats.running or stats.queued or self.running() or self.waiting():
+        if self.real_time:
+            # A shared lane's wait_idle is about its own relay's side (what a retiring
+            # adapter there waits for): none of this lane object's clients runs or waits.
+            index = self.lanes.index(lane)
+            if any(c.lane == index for c in (*self.running(), *self.waiting())):
+                self.fail("wait_idle", f"wait_idle() of lane {index} returned while its "
+                          f"clients run or wait; {self.state()}")
+        elif stats.running or stats.queued or self.running() or self.waiting():
             self.fail("wait_idle", f"wait_idle() returned while not idle; {self.state()}")
 
     # --- the checker ----------------------------------------------------------------------
@@ -387,23 +411,40 @@ class _Fuzz:
         self.report.count("steps checked")
         stats = self.lanes[0].statistics()
         running, waiting = self.running(), self.waiting()
-        if (stats.running, stats.queued) != (len(running), len(waiting)):
+        if not self.real_time and (stats.running, stats.queued) != (len(running), len(waiting)):
             self.fail("leak", self.state())
-        if stats.capacity != self.profile.lanes:
+        if not self.real_time and stats.capacity != self.profile.lanes:
             self.fail("leak", f"capacity {stats.capacity} != lanes {self.profile.lanes}")
         idle = bool(waiting) and len(running) < self.profile.lanes and self.pacer_allows(now)
+        if self.real_time:  # idle for longer than the slack: a slot left idle
+            if idle and now - self.reloaded_at <= 2 * self.eps:
+                idle = False  # a reload's new profile is reaching every relay
+            self.idle_since = (self.idle_since if self.idle_since is not None else now) \
+                if idle else None
+            idle = self.idle_since is not None and now - self.idle_since > self.eps
         if idle and not self.idle_episode:
             self.fail("idle", f"a free slot idles while {len(waiting)} wait and the pacer "
                       f"allows a start; {self.state()}")
         self.idle_episode = idle
         for c in waiting:
-            if now > c.arrived_at + c.timeout_s + EPS and c.n not in self.seen_overdue:
+            if now > c.arrived_at + c.timeout_s + self.eps and c.n not in self.seen_overdue:
                 self.seen_overdue.add(c.n)
                 self.fail("overdue", f"#{c.n} still waits at {now:g}, its queue timeout was "
                           f"at {c.arrived_at + c.timeout_s:g}; {self.state()}")
-        if not running and not waiting and self.idle_watchers:
+        stuck = not running and not waiting and self.idle_watchers > 0
+        if self.real_time:
+            self.watchers_since = (self.watchers_since if self.watchers_since is not None
+                                   else now) if stuck else None
+            stuck = self.watchers_since is not None and now - self.watchers_since > self.eps
+        if stuck:
             self.fail("wait_idle", f"nothing runs or waits but {self.idle_watchers} "
                       "wait_idle() caller(s) still wait")
+
+    async def sampler(self) -> None:
+        """The real-time checker: every ``slack / 4`` s."""
+        while True:
+            self.check_settled()
+            await trio.sleep(self.eps / 4)
 
     async def checker(self) -> None:
         while True:
@@ -424,10 +465,14 @@ class _Fuzz:
             for v in queued:
                 if v is w or v.key() >= w.key():
                     continue
+                if (self.real_time and v.priority == w.priority and v.queued_at is not None
+                        and w.queued_at is not None
+                        and v.queued_at > w.queued_at - self.eps):
+                    continue  # arrivals within the slack: their order is the server's
                 assert v.queued_at is not None
                 out = v.started_at if v.started_at is not None else v.left_at
-                if v.queued_at < w.started_at - EPS and out is not None and (
-                        out > w.started_at + EPS):
+                if v.queued_at < w.started_at - self.eps and out is not None and (
+                        out > w.started_at + self.eps):
                     self.report.violations.append(Violation(
                         self.seed, w.started_at, "order",
                         f"#{w.n} ({w.priority}, arrival {w.order}) started before #{v.n} "
@@ -435,41 +480,45 @@ class _Fuzz:
                         f"{v.queued_at:g} and {v.outcome} at {out:g}"))
 
 
-def _random_profile(rng: random.Random, grid: float | None) -> Profile:
-    timeout = rng.choice([1.0, 2.0, 5.0, 10.0, 30.0])
+def _random_profile(rng: random.Random, grid: float | None, scale: float = 1.0) -> Profile:
+    timeout = rng.choice([1.0, 2.0, 5.0, 10.0, 30.0]) * scale
     return Profile(lanes=rng.randint(1, 4), queue_max=rng.choice([0, 1, 2, 4, 8, 16, 64]),
                    queue_timeout_s=timeout, run_timeout_s=600.0,
-                   rpm=rng.choice([0.0, 0.0, 6.0, 12.0, 30.0, 60.0, 120.0]))
+                   rpm=rng.choice([0.0, 0.0, 6.0, 12.0, 30.0, 60.0, 120.0]) / scale)
 
 
 async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
-                     reload_rpm: bool = True) -> FuzzReport:
-    """One seeded run. Must run on a MockClock that autojumps (threshold 0).
+                     reload_rpm: bool = True, slack: float = 0.0,
+                     scale: float = 1.0) -> FuzzReport:
+    """One seeded run. Must run on a MockClock that autojumps (threshold 0), unless
+    ``slack`` > 0: then in real time (see the module docstring).
 
     Args:
         factory: makes the lane object(s) under test (see the module docstring).
         seed: everything random in the run follows from it.
         arrivals: how many requests arrive.
         reload_rpm: reloads may change rpm too (otherwise only the other fields).
+        slack: real time: how far a rule may be off (seconds).
+        scale: every duration of the run (timeouts, runs, the pacer's gap) times this.
     """
     rng = random.Random(seed)
-    grid = 0.5 if seed % 2 == 0 else None
-    profile = _random_profile(rng, grid)
+    grid = 0.5 * scale if seed % 2 == 0 else None
+    profile = _random_profile(rng, grid, scale)
     report = FuzzReport(seed=seed, profile=_profile_str(profile))
     async with factory(profile) as lanes:
-        fuzz = _Fuzz(lanes, profile, seed, rng, report, grid)
+        fuzz = _Fuzz(lanes, profile, seed, rng, report, grid, slack, scale)
         async with trio.open_nursery() as outer:
-            outer.start_soon(fuzz.checker)
+            outer.start_soon(fuzz.sampler if fuzz.real_time else fuzz.checker)
             async with trio.open_nursery() as nursery:
                 load = rng.uniform(0.3, 3.0)  # offered load, in lanes' worth of work
                 for _ in range(arrivals):
-                    mean_run = max(0.5, 3.0 * fuzz.profile.queue_timeout_s / 10)
+                    mean_run = max(0.5 * scale, 3.0 * fuzz.profile.queue_timeout_s / 10)
                     await trio.sleep(fuzz.draw(0.0, 2 * mean_run / (load * fuzz.profile.lanes)))
                     fuzz.spawn(nursery)
                     roll = rng.random()
                     if roll < 0.04:
                         fuzz.before_reload, fuzz.reloaded_at = fuzz.profile, trio.current_time()
-                        fresh = _random_profile(rng, grid)
+                        fresh = _random_profile(rng, grid, scale)
                         if not reload_rpm:
                             fresh = attrs.evolve(fresh, rpm=fuzz.profile.rpm)
                         fuzz.profile = fresh
@@ -478,7 +527,13 @@ async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
                             lane.update_profile(fuzz.profile)
                     elif roll < 0.10:
                         nursery.start_soon(fuzz.watch_idle, rng.choice(lanes))
-            await trio.testing.wait_all_tasks_blocked()
+            if fuzz.real_time:  # the lanes' numbers are the server's: let them arrive
+                with trio.move_on_after(10.0):
+                    while any(lane.statistics().running or lane.statistics().queued
+                              for lane in lanes):
+                        await trio.sleep(fuzz.eps)
+            else:
+                await trio.testing.wait_all_tasks_blocked()
             fuzz.check_settled()
             for lane in lanes:
                 stats = lane.statistics()
@@ -491,6 +546,14 @@ async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
                     fuzz.fail("end", "wait_idle() did not return at the end")
             fuzz.check_order()
             outer.cancel_scope.cancel()
+    return report
+
+
+def run_seed_real_time(factory: LaneFactory, seed: int = 0, *, slack: float = 0.05,
+                       scale: float = 0.2, **kw: Any) -> FuzzReport:
+    """`fuzz_lanes` in a fresh trio run, in real time (see the module docstring)."""
+    report: FuzzReport = trio.run(functools.partial(fuzz_lanes, factory, seed, slack=slack,
+                                                    scale=scale, **kw))
     return report
 
 

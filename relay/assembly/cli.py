@@ -143,10 +143,21 @@ def main(argv: list[str] | None = None) -> int:
 def _run_daemon(config: Config) -> int:
     """``trio.run(run_daemon)``; an address it cannot listen on is one line and exit 2."""
     failed: ListenError | None = None
+    problems: list[str] = []
     try:
         trio.run(run_daemon, config)
     except* ListenError as group:
         failed = next(e for e in _leaves(group) if isinstance(e, ListenError))
+    except* ConfigError as group:
+        # A problem only found while starting (SPEC L11: a shared provider's profile
+        # differs from the one the relays sharing it agreed on) is a config error.
+        problems = [p for leaf in _leaves(group) if isinstance(leaf, ConfigError)
+                    for p in leaf.problems]
+    if problems:
+        print("relay: the configuration has problems:", file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 2
     if failed is not None:
         print(f"relay: {failed}", file=sys.stderr)
         return 2
@@ -209,7 +220,14 @@ def describe_config(config: Config) -> str:
              f"write timeout {server.write_timeout_s:g} s, drain grace "
              f"{server.drain_grace_s:g} s, token "
              f"{'from ' + server.token_env if server.token_env else 'off'}",
-             f"records: {config.records_path}", "providers:"]
+             f"records: {config.records_path}"]
+    if config.shared_providers:
+        lines.append(f"shared lanes: relay_id {config.relay_id}, prefix "
+                     f"{server.coordination_prefix}, lease {server.coordination_lease_s:g} s, "
+                     "server from " + (f"${server.coordination_url_env}"
+                                       if server.coordination_url_env
+                                       else "coordination_url"))
+    lines.append("providers:")
     for name, p in config.providers.items():
         prof = p.profile
         models = ", ".join(p.models) if p.models else "(discovered)"
@@ -218,7 +236,8 @@ def describe_config(config: Config) -> str:
                      f"{prof.queue_max}, queue_timeout {prof.queue_timeout_s:g} s, run_timeout "
                      f"{prof.run_timeout_s:g} s, rpm {prof.rpm:g}, interrupt_grace "
                      f"{prof.interrupt_grace_s:g} s; models: {models}"
-                     + (f"; {detail}" if detail else ""))
+                     + (f"; {detail}" if detail else "")
+                     + ("; shared across relays (SPEC L11)" if p.shared else ""))
     if not config.providers:
         lines.append("  (none)")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,10 +29,11 @@ from relay.vocab.profile import (
     Profile,
     ProviderConfig,
     default_state_dir,
-    is_loopback_host,
 )
 
+from .routes import check_target, load_routes
 from .schema import COMMON_PROVIDER_KEYS, Config, RouteConfig, ServerConfig, _ProfileTable
+from .server import _check_coordination, _check_server, check_shared
 from .structure import (
     did_you_mean,
     structure_table,
@@ -127,6 +128,7 @@ def parse_config(
     server = structure_table(data.get("server", {}), ServerConfig, "server", problems)
     if server is not None:
         _check_server(server, env, problems)
+        _check_coordination(server, env, problems)
 
     providers: dict[str, ProviderConfig] = {}
     raw_providers = data.get("providers", {})
@@ -138,16 +140,10 @@ def parse_config(
         if provider is not None:
             providers[name] = provider
 
-    routes: dict[str, RouteConfig] = {}
-    raw_routes = data.get("routes", {})
-    if not isinstance(raw_routes, dict):
-        problems.append("[routes]: must be a table of [routes.NAME] tables")
-        raw_routes = {}
-    for name, table in raw_routes.items():
-        route = _load_route(name, table, providers, raw_providers, problems)
-        if route is not None:
-            routes[name] = route
+    routes = load_routes(data.get("routes", {}), providers, raw_providers, problems)
 
+    if server is not None:
+        check_shared(server, providers, problems)
     if problems:
         raise ConfigError([f"{source}: {p}" for p in problems])
     assert server is not None
@@ -181,71 +177,6 @@ def _secret_env(tables: list[Any]) -> frozenset[str]:
     return frozenset(names)
 
 
-def check_target(target: str, providers: Mapping[str, ProviderConfig], *,
-                 defined: Sequence[str] | None = None) -> str | None:
-    """What is wrong with a ``provider/model`` target, or None. ``defined``: every
-    provider name the file defines (some may have problems of their own, so they are not
-    in ``providers``), for the list of known names."""
-    provider, slash, model = target.partition("/")
-    if not slash or not model:
-        return f"{target!r} must be PROVIDER/MODEL"
-    pconf = providers.get(provider)
-    if pconf is None:
-        names = list(defined if defined is not None else providers)
-        return (f"{target!r} names no provider{did_you_mean(provider, names)} (providers "
-                f"defined: {', '.join(names) or 'none'})")
-    if pconf.models_configured and model.partition("?")[0] not in pconf.models:
-        return (f"{target!r}: provider {provider!r} lists only "
-                f"{', '.join(pconf.models)}")
-    return None
-
-
-def _load_route(name: str, table: Any, providers: Mapping[str, ProviderConfig],
-                raw_providers: Mapping[str, Any], problems: list[str]) -> RouteConfig | None:
-    where = f"routes.{name}"
-    if not name or "/" in name:
-        problems.append(f"[{where}]: a route name must be non-empty and contain no '/'")
-        return None
-    if name in raw_providers:
-        problems.append(f"[{where}]: the name is also a provider's; choose another")
-        return None
-    route = structure_table(table, RouteConfig, where, problems, hidden=("name",))
-    if route is None:
-        return None
-    ok = True
-    for key, target in [("primary", route.primary)] + [
-            (f"fallbacks[{i}]", t) for i, t in enumerate(route.fallbacks)]:
-        if target.partition("/")[0] not in providers and target.partition("/")[0] in \
-                raw_providers:
-            ok = False  # that provider's own table already has a problem
-            continue
-        problem = check_target(target, providers, defined=list(raw_providers))
-        if problem is not None:
-            problems.append(f"[{where}] {key}: {problem}")
-            ok = False
-    seen: set[str] = set()
-    for target in route.targets:
-        if target in seen:
-            problems.append(f"[{where}] fallbacks: {target!r} is listed twice; each target "
-                            "is tried at most once per request")
-            ok = False
-        seen.add(target)
-    return attrs.evolve(route, name=name) if ok else None
-
-
-def _check_server(server: ServerConfig, env: Mapping[str, str], problems: list[str]) -> None:
-    if server.token_env is not None and not env.get(server.token_env):
-        problems.append(f"[server] token_env: the environment variable {server.token_env} "
-                        "is not set (or empty); clients must send its value as a bearer token")
-    if not is_loopback_host(server.host):
-        if server.token_env is None:
-            problems.append(f"[server] token_env: required when host is {server.host!r} "
-                            "(not a loopback address): name the variable holding the token")
-        if not server.allowed_hosts:
-            problems.append(f"[server] allowed_hosts: required when host is {server.host!r}: "
-                            "list the Host names clients use to reach relay")
-
-
 def _load_provider(
     name: str, table: Any, registry: Mapping[str, Any],
     problems: list[str], warnings: list[str],
@@ -273,8 +204,7 @@ def _load_provider(
     if settings is not None:
         for key, message in adapter.settings_problems(settings):
             problems.append(f"[{where}] {key}: {message}")
-    models, prefill, strict_fields, check_model, interval = _common(where, common, adapter,
-                                                                   problems)
+    values = _common(where, common, adapter, problems)
     overrides = structure_table(common.get("profile", {}), _ProfileTable,
                                 f"{where}.profile", problems)
     if settings is None or overrides is None or len(problems) > before:
@@ -283,10 +213,7 @@ def _load_provider(
     if profile is None:
         return None
     return ProviderConfig(
-        name=name, adapter=kind, profile=profile, settings=settings, models=models,
-        models_configured=bool(models), prefill=prefill,
-        check_interval_s=float(interval) if interval is not None else None,
-        check_model=check_model, strict_fields=strict_fields,
+        name=name, adapter=kind, profile=profile, settings=settings, **values,
         secret_envs=tuple(adapter.secret_envs(settings)),
         secret_values=tuple(adapter.secret_values(settings)))
 
@@ -310,9 +237,8 @@ def _unknown_kind(where: str, kind: Any, table: dict[str, Any],
 
 
 def _common(where: str, common: dict[str, Any], adapter: Any, problems: list[str]
-            ) -> tuple[tuple[str, ...], bool, bool, Any, Any]:
-    """The common keys every provider takes: (models, prefill, strict_fields, check_model,
-    interval)."""
+            ) -> dict[str, Any]:
+    """The common keys every provider takes, as `ProviderConfig` fields."""
     models: tuple[str, ...] = ()
     if "models" in common:
         m = common["models"]
@@ -329,11 +255,16 @@ def _common(where: str, common: dict[str, Any], adapter: Any, problems: list[str
     check_model = common.get("check_model")
     if check_model is not None and not (isinstance(check_model, str) and check_model):
         problems.append(f"[{where}] check_model: must be a model name")
+    shared = common.get("shared", False)
+    if not isinstance(shared, bool):
+        problems.append(f"[{where}] shared: expected true or false")
     interval = common.get("check_interval_s")
     if interval is not None and (isinstance(interval, bool)
                                  or not isinstance(interval, int | float) or interval <= 0):
         problems.append(f"[{where}] check_interval_s: must be a number of seconds > 0")
-    return models, prefill, strict_fields, check_model, interval
+    return {"models": models, "models_configured": bool(models), "prefill": prefill,
+            "strict_fields": strict_fields, "check_model": check_model, "shared": shared is True,
+            "check_interval_s": float(interval) if interval is not None else None}
 
 
 def _profile(where: str, name: str, kind: str, adapter: Any, settings: Any,

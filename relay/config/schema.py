@@ -4,6 +4,8 @@ whole `Config`; a provider's own (`ProviderConfig`, `Profile`) live in the vocab
 from __future__ import annotations
 
 import os
+import socket
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -53,10 +55,17 @@ class ServerConfig:
     # SPEC O5: the most a non-streamed upstream body may hold (after decompression), and
     # the most answer text a stream may accumulate; beyond, bad_upstream_response.
     max_upstream_bytes: int = attrs.field(default=MAX_UPSTREAM_BYTES, validator=v.ge(1024))
+    # SPEC L11: shared lanes through a Redis or Valkey server. The URL (which may hold a
+    # password) is given here or, better, read from the variable ``coordination_url_env``.
+    coordination_url: str | None = attrs.field(default=None, repr=False)
+    coordination_url_env: str | None = None
+    relay_id: str | None = None  # this relay's name in shared lanes and records (hostname)
+    coordination_prefix: str = "relay"
+    coordination_lease_s: float = attrs.field(default=10.0, validator=[positive, v.le(3600)])
 
 
 COMMON_PROVIDER_KEYS = ("adapter", "models", "prefill", "check_interval_s", "check_model",
-                        "profile", "strict_fields")
+                        "profile", "strict_fields", "shared")
 
 
 def _optional_positive(inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:
@@ -122,4 +131,32 @@ class Config:
             names += provider.secret_envs
             values += provider.secret_values
         values += [env.get(name) or "" for name in names]
+        url = self.coordination_url(env)
+        if url:  # SPEC E1: the coordination password is a secret too
+            values += [url, _url_password(url)]
         return tuple(dict.fromkeys(value for value in values if value))
+
+    def coordination_url(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The shared lanes' server (SPEC L11): ``coordination_url``, or the value of the
+        variable ``coordination_url_env`` names; None when neither is set."""
+        server = self.server
+        if server.coordination_url_env:
+            env = os.environ if environ is None else environ
+            return env.get(server.coordination_url_env) or None
+        return server.coordination_url
+
+    @property
+    def relay_id(self) -> str:
+        """This relay's name in shared lanes and records (default: the host name)."""
+        return self.server.relay_id or socket.gethostname() or "relay"
+
+    @property
+    def shared_providers(self) -> tuple[str, ...]:
+        return tuple(name for name, p in self.providers.items() if p.shared)
+
+
+def _url_password(url: str) -> str:
+    try:
+        return urllib.parse.unquote(urllib.parse.urlsplit(url).password or "")
+    except ValueError:
+        return ""

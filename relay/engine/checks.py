@@ -228,6 +228,12 @@ async def _wait_for_change(relay: Engine, ended: list[trio.Event], deadline: flo
 async def _scheduled_check(relay: Engine, provider: Provider, running: dict[str, trio.Event],
                            due: dict[str, float]) -> None:
     try:
+        interval = provider.config.check_interval_s
+        # SPEC L11: one relay runs a shared provider's interval check per interval.
+        if interval is not None and not await provider.lane.claim_check(interval):
+            logger.debug("check %s: skipped, another relay runs it this interval",
+                         provider.name)
+            return
         result = await check_provider(relay, provider)
         logger.info("check %s: %s (%s)", provider.name, result.outcome, result.message)
     except Exception:

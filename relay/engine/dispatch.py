@@ -355,6 +355,7 @@ class Dispatcher:
                                              + (now - run.queued_at) * 1000, 3)
             if ticket is not None and ticket.released_at is not None:
                 attempt.released_at = ticket.released_at
+                attempt.lease_expired = ticket.lease_expired  # a shared slot (SPEC L11)
                 if ticket.started_at is not None:  # summed over the attempts
                     self.record.run_ms = round((self.record.run_ms or 0.0) + (
                         ticket.released_at - ticket.started_at) * 1000, 3)

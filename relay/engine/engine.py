@@ -22,8 +22,11 @@ from relay.vocab.errors import RelayError
 from relay.vocab.profile import ProviderConfig
 from relay.vocab.records import RecordWriter
 
+from .coordination import Coordinator
+from .lane_api import LaneLike
 from .providers import AdapterHandle, Provider, discover
 from .response_store import ResponseStore
+from .shared_lane import SharedLane
 from .stops import RequestStop
 
 __all__ = ["Engine"]
@@ -51,16 +54,42 @@ class Engine:
         self.reloaded = trio.Event()  # set (and replaced) on every reload
         self._reload_lock = trio.Lock()
         self.responses = ResponseStore()  # /v1/responses' store (SPEC A7): in memory only
+        # SPEC L11: the shared lanes' server, when any provider is shared.
+        self.coordinator: Coordinator | None = None
+        records.relay_id = config.relay_id
 
     # --- providers and their adapters ------------------------------------------------------
     async def open_providers(self) -> None:
+        """Open every provider's adapter; with a shared provider, connect to the
+        coordination server and register its lane there first.
+
+        Raises:
+            ConfigError: a shared provider's lanes, queue_max or rpm differ from what the
+                relays already sharing it agreed on (SPEC L11).
+        """
+        url = self.config.coordination_url()
+        if self.config.shared_providers and url:
+            server = self.config.server
+            self.coordinator = Coordinator(url, prefix=server.coordination_prefix,
+                                           lease_s=server.coordination_lease_s,
+                                           relay_id=self.config.relay_id)
         for name, pconf in self.config.providers.items():
             self.providers[name] = self._provider(pconf, await self._open_adapter(pconf))
+        if self.coordinator is not None:
+            await self.nursery.start(self.coordinator.serve)
 
-    @staticmethod
-    def _provider(config: ProviderConfig, handle: AdapterHandle) -> Provider:
-        lane = Lane(config.name, config.profile,
-                    expected_run_s=type(handle.adapter).typical_call_s(config.settings))
+    def _provider(self, config: ProviderConfig, handle: AdapterHandle) -> Provider:
+        expected = type(handle.adapter).typical_call_s(config.settings)
+        lane: LaneLike
+        if config.shared and self.coordinator is not None:
+            lane = SharedLane(config.name, config.profile, self.coordinator,
+                              expected_run_s=expected)
+        else:
+            if config.shared:
+                logger.warning("provider %s: shared = true takes effect at the next "
+                               "restart (relay started without a coordination server)",
+                               config.name)
+            lane = Lane(config.name, config.profile, expected_run_s=expected)
         return Provider(config=config, handle=handle, lane=lane, models=list(config.models))
 
     async def _open_adapter(self, config: ProviderConfig) -> AdapterHandle:
@@ -133,6 +162,8 @@ class Engine:
                                f"{b.queue_timeout_s:g}, run_timeout_s {a.run_timeout_s:g}→"
                                f"{b.run_timeout_s:g}, rpm {a.rpm:g}→{b.rpm:g})")
                 current.lane.update_profile(pconf.profile)
+            if pconf.shared != old.shared:
+                changes.append(f"provider {name}: shared takes effect at the next restart")
             if pconf.models_configured:
                 current.models = list(pconf.models)
             current.config = pconf
@@ -140,12 +171,16 @@ class Engine:
         for name, gone in self.providers.items():
             if name not in providers:
                 gone.handle.retire()
+                if self.coordinator is not None and isinstance(gone.lane, SharedLane):
+                    self.nursery.start_soon(self.coordinator.forget_when_idle, gone.lane)
                 changes.append(f"provider {name}: removed (its running and queued requests "
                                "finish)")
         if dict(config.routes) != dict(self.config.routes):
             changes.append(f"routes: {', '.join(config.routes) or '(none)'}")
         old_server, new_server = self.config.server, config.server
-        for key in ("host", "port", "records", "records_max_bytes", "records_keep"):
+        for key in ("host", "port", "records", "records_max_bytes", "records_keep",
+                    "coordination_url", "coordination_url_env", "relay_id",
+                    "coordination_prefix", "coordination_lease_s"):
             if getattr(old_server, key) != getattr(new_server, key):
                 changes.append(f"[server] {key}: takes effect at the next restart")
         if old_server != new_server:

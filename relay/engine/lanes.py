@@ -60,6 +60,7 @@ class Ticket:
     queued_at: float
     started_at: float | None = None
     released_at: float | None = None
+    lease_expired: bool = False  # a shared lane's release never reached its server (L11)
 
     @property
     def queue_s(self) -> float:
@@ -86,6 +87,8 @@ class _Waiter:
 
 class Lane:
     """The slots and queue of one provider. See the module docstring."""
+
+    shared = False  # `relay.engine.lane_api.LaneLike`: counted in this process alone
 
     def __init__(self, name: str, profile: Profile, *, expected_run_s: float = 10.0) -> None:
         self.name = name
@@ -143,6 +146,16 @@ class Lane:
     def statistics(self) -> LaneStatistics:
         return LaneStatistics(running=self._borrowed, capacity=self._profile.lanes,
                               queued=self._live, queue_max=self._profile.queue_max)
+
+    @property
+    def held_here(self) -> int:
+        """Slots this relay holds (all of them: the lane is this process's alone)."""
+        return self._borrowed
+
+    async def claim_check(self, interval_s: float) -> bool:
+        """A local lane's interval checks are this relay's own: always run them."""
+        await trio.lowlevel.checkpoint()
+        return True
 
     def estimate_wait_s(self, priority: str = "normal") -> float:
         """When a request of ``priority`` arriving now could expect to start (seconds from

@@ -46,7 +46,8 @@ from relay.vocab.errors import RelayError
 from relay.vocab.profile import ProviderConfig
 from relay.vocab.records import Attempt, Clock, Record
 
-from .lanes import PRIORITIES, Lane
+from .lane_api import LaneLike
+from .lanes import PRIORITIES
 
 __all__ = ["AdapterHandle", "Provider"]
 
@@ -121,7 +122,7 @@ class Provider:
 
     config: ProviderConfig
     handle: AdapterHandle
-    lane: Lane
+    lane: LaneLike
     models: list[str]
     state: str = "unverified"  # unverified | connected | warning | failing (SPEC H4)
     state_reason: str | None = None
@@ -215,8 +216,11 @@ class Provider:
             "seen_at": clock.iso(self.seen_at),
             "models": self.models,
             "warning": self.warning,
+            # A shared lane's running and queued are every relay's (SPEC L11); held_here
+            # is this relay's part.
             "lanes": {"running": stats.running, "capacity": stats.capacity,
-                      "queued": stats.queued, "queue_max": stats.queue_max},
+                      "queued": stats.queued, "queue_max": stats.queue_max,
+                      "shared": self.lane.shared, "held_here": self.lane.held_here},
             "requests": self.requests(clock),
         })
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.samples import Sample
 
 from relay.engine.engine import Engine
 from relay.vocab.records import Record
@@ -103,13 +104,17 @@ class _LiveCollector:
 
     def collect(self) -> Iterator[Metric]:
         families = self._families()
-        running, capacity, queued, queue_max, state, in_flight, draining = families
+        running, capacity, queued, queue_max, state, in_flight, draining, held = families
         for name, provider in self.relay.providers.items():
             stats = provider.lane.statistics()
-            running.add_metric([name], stats.running)
-            capacity.add_metric([name], stats.capacity)
-            queued.add_metric([name], stats.queued)
-            queue_max.add_metric([name], stats.queue_max)
+            # SPEC L11: a shared lane's numbers are every relay's; ``scope="global"``
+            # says so, so that a dashboard does not sum them across relays.
+            labels = {"provider": name, **({"scope": "global"} if provider.lane.shared
+                                           else {})}
+            for family, number in ((running, stats.running), (capacity, stats.capacity),
+                                   (queued, stats.queued), (queue_max, stats.queue_max)):
+                family.samples.append(Sample(family.name, labels, number))
+            held.add_metric([name], provider.lane.held_here)
             for each in STATES:
                 state.add_metric([name, each], 1.0 if provider.state == each else 0.0)
         in_flight.add_metric([], len(self.relay.in_flight))
@@ -134,4 +139,6 @@ class _LiveCollector:
                               labels=[]),
             GaugeMetricFamily("relay_draining", "1 while relay is draining (shutting down)",
                               labels=[]),
+            GaugeMetricFamily("relay_lane_held_here", "Lane slots this relay holds (of a "
+                              "shared lane: this relay's part)", labels=["provider"]),
         )

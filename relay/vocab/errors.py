@@ -18,6 +18,8 @@ code, and the only place it lives::
       phase request     4xx  unsupported, invalid_request, unknown_model, unauthorized,
                              forbidden_origin, bad_host
       phase shutdown    503  shutting_down                                 (+ Retry-After)
+      phase coordination 503 coordination_unavailable, coordination_lost  (+ Retry-After:
+                             the lease; shared lanes' server unreachable, lease lost)
       phase internal    500  internal_error
 
     ConfigError         not a client's failure: the config file is wrong (exit 2)
@@ -84,6 +86,10 @@ REASONS: Final[dict[str, Reason]] = {
     "forbidden_origin": Reason("request", 403, "invalid_request_error"),
     "bad_host": Reason("request", 403, "invalid_request_error"),
     "shutting_down": Reason("shutdown", 503, "server_error", False, 5.0),
+    # SPEC L11: a shared lane's server (Redis/Valkey) is unreachable, or this relay could
+    # not renew a slot's lease in time; Retry-After is the lease (``coordination_lease_s``).
+    "coordination_unavailable": Reason("coordination", 503, "server_error", True),
+    "coordination_lost": Reason("coordination", 503, "server_error", True),
     "internal_error": Reason("internal", 500, "server_error"),
 }
 

@@ -73,6 +73,9 @@ class ProviderConfig:
     check_model: str | None = None  # the model a check asks (default: the first known)
     strict_fields: bool = False  # refuse advisory request fields instead of dropping them (A1a)
     max_upstream_bytes: int = MAX_UPSTREAM_BYTES  # [server] max_upstream_bytes (SPEC O5)
+    # SPEC L11: lanes, queue and pacer counted across every relay on the same coordination
+    # server (``[server] coordination_url`` and ``coordination_prefix``).
+    shared: bool = False
     # What must never leave relay (SPEC E1): the variables holding this provider's key,
     # and the secret values its settings hold (headers, proxy, CLI env). Read by
     # `Config.secrets`; never shown.

@@ -87,6 +87,9 @@ class Attempt:
     duration_ms: float | None = None
     failure: str | None = None
     released_at: float | None = None
+    # SPEC L11: a shared slot whose release never reached the coordination server (or
+    # found its lease already expired): the server took it back only at the lease's end.
+    lease_expired: bool = False
 
 
 @attrs.define(kw_only=True)
@@ -114,6 +117,7 @@ class Record:
     released_at: float | None = None
     attempts: list[Attempt] = attrs.field(factory=list)
     skipped_events: list[str] = attrs.field(factory=list)
+    relay_id: str | None = None  # the relay that served it (and held its slots, SPEC L11)
 
     def as_json(self, clock: Clock) -> dict[str, Any]:
         out = attrs.asdict(self, recurse=False)
@@ -122,7 +126,8 @@ class Record:
         out["attempts"] = [
             {"provider": a.provider, "model": a.model, "role": a.role, "ok": a.ok,
              "duration_ms": a.duration_ms, "failure": a.failure,
-             "released_at": clock.iso(a.released_at)}
+             "released_at": clock.iso(a.released_at),
+             **({"lease_expired": True} if a.lease_expired else {})}
             for a in self.attempts
         ]
         if not self.skipped_events:
@@ -159,6 +164,7 @@ class RecordWriter:
         self._retry_at = 0.0            # time.monotonic() of the next attempt
         self._closed = False
         self.recent: list[dict[str, Any]] = []  # the last few, for status and tests
+        self.relay_id: str | None = None  # this relay's name (SPEC 9), set by the engine
         # Called with each record as it is written (metrics count requests here: this is
         # the one place every request ends, SPEC A5).
         self.observers: list[Callable[[Record], None]] = []
@@ -169,6 +175,8 @@ class RecordWriter:
         return self._fault
 
     def write(self, record: Record) -> None:
+        if record.relay_id is None:
+            record.relay_id = self.relay_id
         line = redact_obj(record.as_json(self.clock))  # SPEC E1: records are an exit
         self.recent.append(line)
         if len(self.recent) > 200:

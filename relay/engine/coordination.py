@@ -1,0 +1,306 @@
+"""One relay's connection to the shared lanes' server: Redis 7 or Valkey (SPEC L11).
+
+Theory of operation. A `Coordinator` lives as one task of relay's own nursery (`serve`)
+and holds, for the relay's life, a coredis client (anyio-native, so it runs under trio
+with its connection tasks inside this task's scope), one pub/sub subscription on this
+relay's own wake-up channel, and the renewal loop. Every `SharedLane` of the relay calls
+the server through `call`, which bounds each command (``command_timeout_s``) and turns any
+failure into ``coordination_unavailable``.
+
+Why no blocking command: a ``BLPOP`` cancelled by a trio scope leaves a multiplexed
+connection blocked behind it (measured with valkey-glide: the next ``GET`` timed out).
+So every command here returns at once; a waiter is woken by a published message on a
+connection of its own (the subscription), and any message lost (pub/sub is at most
+once) is made up by the next renewal, which lists this relay's granted waiters.
+
+Renewal: every ``lease / 4`` the loop renews every lease this relay holds (slots and
+places in queues), one `SYNC` script per shared lane. ``renewed_at`` is when the last
+renewal that reached the server for every lane was *sent*; the server's leases end no
+sooner than ``renewed_at + lease``. A holder's body is cancelled at ``lost_at`` —
+``renewed_at + lease / 2`` — so it stops (``coordination_lost``) before its lease can
+expire and another relay be granted its slot. Half a lease is what its cleanup has.
+
+Health: after a failed command the server counts as unreachable and a shared lane
+answers ``coordination_unavailable`` at once (no request waits on a dead server) until
+a renewal gets through again; while it is down the loop retries every
+``DOWN_RETRY_S``. Local providers never call this module.
+
+A relay stopped (SIGSTOP, a suspended laptop) for longer than its lease loses its slots
+on the server, which grants them to others: until it wakes, its own requests still hold
+their upstream calls, so the provider may see more than ``lanes`` at once. When it
+wakes, ``lost_at`` has passed: its holders are cancelled at once, before any renewal
+(documented in the README; tested).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import secrets
+import urllib.parse
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import coredis
+import trio
+from coredis.retry import NoRetryPolicy
+
+from relay.vocab.errors import ConfigError, RelayError
+
+from . import shared_scripts
+
+if TYPE_CHECKING:
+    from .shared_lane import SharedLane
+
+__all__ = ["Coordinator"]
+
+logger = logging.getLogger(__name__)
+
+# What the client raises when the server is gone or the connection breaks.
+_FOREIGN = (coredis.exceptions.RedisError, OSError, TimeoutError, EOFError,
+            anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream)
+
+DOWN_RETRY_S = 0.25  # while the server is unreachable: how often the renewal retries
+LOST_FRACTION = 0.5  # a holder stops this far into a lease that could not be renewed
+
+
+class Coordinator:
+    """This relay's side of the shared lanes. See the module docstring."""
+
+    def __init__(self, url: str, *, prefix: str, lease_s: float, relay_id: str) -> None:
+        scheme, sep, rest = url.partition("://")
+        if scheme.lower() in ("valkey", "valkeys"):  # coredis speaks the same protocol
+            url = ("rediss" if scheme.lower() == "valkeys" else "redis") + sep + rest
+        self._url = url
+        self.prefix = prefix
+        self.lease_s = lease_s
+        self.relay_id = relay_id
+        self.instance = f"{relay_id}#{secrets.token_hex(4)}"
+        self.channel_prefix = f"{prefix}:wake:"
+        self.channel = self.channel_prefix + self.instance
+        self.tick_s = lease_s / 4
+        self.command_timeout_s = min(1.0, lease_s / 4)
+        self.lanes: dict[str, SharedLane] = {}
+        self.available = False
+        self.down_reason = "not connected yet"
+        self.renewed_at = -math.inf
+        self.subscribed = trio.Event()
+        self._members = itertools.count()
+        self._client: Any = None
+        self._scripts: dict[str, Any] = {}
+        self._renew_now = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        # Give-backs (LEAVE, RELEASE) that did not reach the server: member -> (lane,
+        # script, since). Retried after each renewal until the lease has ended them.
+        self.orphans: dict[str, tuple[SharedLane, str, float]] = {}
+
+    # --- what lanes ask ---------------------------------------------------------------------
+    @property
+    def lost_at(self) -> float:
+        """When this relay's holders must stop unless a renewal gets through first."""
+        return self.renewed_at + self.lease_s * LOST_FRACTION
+
+    def add(self, lane: SharedLane) -> None:
+        self.lanes[lane.name] = lane
+        self.renew_soon()
+
+    async def forget_when_idle(self, lane: SharedLane) -> None:
+        """A removed provider's lane: renewed until its last request has left."""
+        await lane.wait_idle()
+        if self.lanes.get(lane.name) is lane:
+            del self.lanes[lane.name]
+
+    def new_member(self) -> str:
+        return f"{self.instance}|{next(self._members)}"
+
+    def keys(self, lane: str) -> list[str]:
+        base = "{" + f"{self.prefix}:{lane}" + "}"
+        return [f"{base}:h", f"{base}:w", f"{base}:wx", f"{base}:m", f"{base}:r"]
+
+    def renew_soon(self) -> None:
+        self._renew_now.set()
+
+    def start_soon(self, fn: Any, *args: Any) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)
+
+    def unavailable(self, provider: str, why: str | None = None) -> RelayError:
+        return RelayError(
+            "coordination_unavailable",
+            f"shared provider {provider!r} cannot take requests now: its coordination "
+            f"server is unreachable ({why or self.down_reason}). Nothing was sent to the "
+            f"provider. Retry in about {math.ceil(self.lease_s)} s; providers that are "
+            "not shared are unaffected.",
+            provider=provider, retry_after_s=self.lease_s)
+
+    async def call(self, script: str, keys: list[str], args: list[Any], *,
+                   provider: str) -> Any:
+        """Run one of `shared_scripts` on the server, bounded in time.
+
+        Raises:
+            RelayError: ``coordination_unavailable`` (the server did not answer in time,
+                refused, or is not connected).
+        """
+        if self._client is None:
+            raise self.unavailable(provider)
+        try:
+            with trio.fail_after(self.command_timeout_s):
+                return await self._scripts[script](keys, [str(a) for a in args])
+        except trio.TooSlowError as exc:
+            self._down(f"no answer within {self.command_timeout_s:g} s")
+            raise self.unavailable(provider) from exc
+        except _FOREIGN as exc:
+            self._down(f"{type(exc).__name__}: {exc}")
+            raise self.unavailable(provider) from exc
+        except BaseExceptionGroup as group:  # the client's own task groups
+            foreign, rest = group.split(_FOREIGN)
+            if foreign is None or rest is not None:
+                raise  # a stop (trio.Cancelled) or a bug: never swallowed
+            self._down(f"{type(foreign.exceptions[0]).__name__}: {foreign.exceptions[0]}")
+            raise self.unavailable(provider) from group
+
+    async def claim_check(self, lane: str, interval_s: float) -> bool:
+        """True when this relay runs the lane's interval check now (one relay per
+        interval across relays); False when another has it or the server is down."""
+        if not self.available:
+            await trio.lowlevel.checkpoint()
+            return False
+        key = "{" + f"{self.prefix}:{lane}" + "}:check"
+        try:
+            won = await self.call("CLAIM", [key], [self.relay_id,
+                                                   max(1, int(interval_s * 1000))],
+                                  provider=lane)
+        except RelayError:
+            return False
+        return bool(won)
+
+    # --- its life -----------------------------------------------------------------------
+    async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        """Connect, register every shared lane, then renew until cancelled.
+
+        Raises:
+            ConfigError: at start, a shared provider's lanes, queue_max or rpm differ
+                from those the relays already there agreed on (SPEC L11).
+        """
+        client = coredis.Redis.from_url(
+            self._url, decode_responses=True, stream_timeout=self.command_timeout_s,
+            connect_timeout=self.command_timeout_s, retry_policy=NoRetryPolicy(),
+            client_name=f"relay:{self.instance}")
+        async with client, trio.open_nursery() as nursery:
+            self._client = client
+            self._nursery = nursery
+            self._scripts = {name: client.register_script(getattr(shared_scripts, name))
+                             for name in ("SYNC", "ACQUIRE", "LEAVE", "RELEASE", "PUMP",
+                                          "CLAIM")}
+            nursery.start_soon(self._listen)
+            with trio.move_on_after(self.command_timeout_s * 2):
+                await self.subscribed.wait()
+            await self._renew_all(at_start=True)
+            if not self.available:
+                logger.warning("shared lanes: the coordination server is unreachable at "
+                               "start (%s); shared providers answer "
+                               "coordination_unavailable until it is back", self.down_reason)
+            task_status.started()
+            try:
+                await self._renew_loop()
+            finally:
+                self._client = None
+                self.available = False
+
+    async def _renew_loop(self) -> None:
+        while True:
+            wait = self.tick_s if self.available else min(self.tick_s, DOWN_RETRY_S)
+            with trio.move_on_after(wait):
+                await self._renew_now.wait()
+            self._renew_now = trio.Event()
+            await self._renew_all()
+
+    async def _reachable(self) -> bool:
+        """Whether the server accepts a connection now, asked with a plain socket first:
+        coredis leaves a failed connection's memory streams unclosed (ResourceWarnings),
+        so while the server is down it is not asked to connect at all."""
+        parts = urllib.parse.urlsplit(self._url)
+        try:
+            with trio.fail_after(self.command_timeout_s):
+                if parts.scheme == "unix":
+                    stream: trio.abc.Stream = await trio.open_unix_socket(parts.path)
+                else:
+                    stream = await trio.open_tcp_stream(parts.hostname or "127.0.0.1",
+                                                        parts.port or 6379)
+                await stream.aclose()
+        except (OSError, trio.TooSlowError, ValueError) as exc:
+            self._down(f"cannot connect: {exc or type(exc).__name__}")
+            return False
+        return True
+
+    async def _renew_all(self, *, at_start: bool = False) -> None:
+        if not self.available and not await self._reachable():
+            return
+        sent = trio.current_time()
+        for lane in list(self.lanes.values()):
+            try:
+                await lane.sync(at_start=at_start)
+            except RelayError:
+                return
+            except ConfigError:
+                if at_start:
+                    raise
+        was = self.available
+        self.renewed_at = max(self.renewed_at, sent)
+        self.available = True
+        if not was:
+            logger.info("shared lanes: the coordination server answers (%s)",
+                        ", ".join(self.lanes) or "no shared provider yet")
+        for lane in self.lanes.values():
+            lane.renewed(self.lost_at)
+        for member, (lane, script, since) in list(self.orphans.items()):
+            if trio.current_time() - since < self.lease_s:
+                try:
+                    await lane.retry_give_back(script, member)
+                except RelayError:
+                    return
+            self.orphans.pop(member, None)
+
+    def _down(self, why: str) -> None:
+        if self.available:
+            logger.warning("shared lanes: the coordination server is unreachable (%s); "
+                           "shared providers answer coordination_unavailable", why)
+        self.available = False
+        self.down_reason = why
+
+    async def _listen(self) -> None:
+        """This relay's wake-up channel: grants (``g member``) and the pacer's "ask
+        again in N ms" (``p lane ms``). A lost message costs one renewal tick."""
+        while True:
+            if not await self._reachable():
+                await trio.sleep(DOWN_RETRY_S)
+                continue
+            try:
+                async with self._client.pubsub(channels=[self.channel],
+                                               ignore_subscribe_messages=True,
+                                               retry_policy=NoRetryPolicy()) as ps:
+                    self.subscribed.set()
+                    async for message in ps:
+                        self._message(str(message.get("data", "")))
+            except* _FOREIGN as group:  # (a stop, trio.Cancelled, passes through)
+                logger.debug("shared lanes: the subscription ended (%r); renewals make up "
+                             "for lost wake-ups meanwhile", group.exceptions)
+            self.subscribed = trio.Event()
+            await trio.sleep(DOWN_RETRY_S)
+
+    def _message(self, data: str) -> None:
+        kind, _, rest = data.partition(" ")
+        if kind == "g":
+            self.granted(rest)
+        elif kind == "p":
+            name, _, ms = rest.rpartition(" ")
+            lane = self.lanes.get(name)
+            if lane is not None and ms.lstrip("-").isdigit():
+                lane.pump_hint(int(ms))
+
+    def granted(self, member: str) -> None:
+        for lane in self.lanes.values():
+            if lane.woken(member):
+                return

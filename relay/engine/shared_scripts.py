@@ -1,0 +1,281 @@
+"""The shared lane's state on the coordination server, as Lua scripts (SPEC L11).
+
+Each script runs atomically on the server and is the only code that changes a shared
+lane's keys, so relays never race one another: they race only the server's order of
+scripts. Times are the server's (``TIME``, in milliseconds), never a relay's.
+
+Keys of one lane (``KEYS``; ``{prefix:provider}`` keeps them in one cluster slot)::
+
+    H   zset  holder member  -> its lease's expiry (ms)
+    W   zset  waiter member  -> rank * 2^40 + arrival number (priority class, then FIFO)
+    WX  zset  waiter member  -> its lease's expiry: a dead relay's waiters leave too
+    M   hash  the stored profile (lanes, queue_max, rpm, set_by, pver), the epoch, the
+              pacer (last start, starts), the quiet period's end, the arrival counter,
+              "p:<member>" (how to undo a grant handed straight back), "l:<instance>"
+              (each relay's lease)
+    R   zset  relay instance -> its lease's expiry (the relays present)
+
+A member is ``<instance>|<n>``, an instance ``<relay_id>#<random>``: one relay process.
+A grant to a waiter is published on ``<channel prefix><instance>`` as ``g <member>``; a
+relay whose waiter heads a queue the pacer (or the quiet period) holds back is told when
+to ask again as ``p <lane> <ms>``. Pub/sub is at most once: every script's reply also
+lists the grants it made, and the renewal (`SYNC`) lists this relay's waiters that were
+granted, so a lost message costs at most one renewal tick.
+
+Common ``ARGV``: instance, relay_id, lease_ms, the epoch the relay knows, lanes,
+queue_max, rpm, the channel prefix, the lane's name; then the script's own. A relay that
+knows another epoch than the stored one (the state was lost and made anew: a server
+restart) gets ``stale`` and re-registers (`SYNC`) first. After the state is made anew by
+a relay that had known it, or within one lease of the server's own start, no grant is
+made for one lease (the quiet period): the holders of before re-register within it, so
+nothing is over-admitted. Every reply ends with the lane's global running and queued.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ACQUIRE", "CLAIM", "LEAVE", "PUMP", "RELEASE", "SYNC"]
+
+_PRELUDE = r"""
+local H, W, WX, M, R = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local instance, relay_id, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local known, chan, lane_name = ARGV[4], ARGV[8], ARGV[9]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local S = {}
+local granted = {}
+
+local function load()
+  local m = redis.call('HMGET', M, 'epoch', 'lanes', 'queue_max', 'rpm', 'last', 'starts',
+                       'quiet', 'set_by', 'pver')
+  if not m[1] then return false end
+  S.epoch, S.lanes, S.queue_max, S.rpm = m[1], tonumber(m[2]), tonumber(m[3]), tonumber(m[4])
+  S.last, S.starts, S.quiet = tonumber(m[5]), tonumber(m[6]), tonumber(m[7])
+  S.set_by, S.pver = m[8], tonumber(m[9])
+  return true
+end
+
+local function owner(member) return string.match(member, '^(.*)|') end
+
+local function prune()
+  local gone = redis.call('ZRANGEBYSCORE', H, '-inf', now)
+  for _, h in ipairs(gone) do
+    redis.call('ZREM', H, h)
+    redis.call('HDEL', M, 'p:' .. h)
+  end
+  local left = redis.call('ZRANGEBYSCORE', WX, '-inf', now)
+  for _, w in ipairs(left) do
+    redis.call('ZREM', W, w)
+    redis.call('ZREM', WX, w)
+  end
+  local dead = redis.call('ZRANGEBYSCORE', R, '-inf', now)
+  for _, i in ipairs(dead) do
+    redis.call('ZREM', R, i)
+    redis.call('HDEL', M, 'l:' .. i)
+  end
+  return #gone
+end
+
+local function grant(member)
+  local l = tonumber(redis.call('HGET', M, 'l:' .. owner(member)) or lease)
+  redis.call('HSET', M, 'p:' .. member, S.last .. ',' .. (S.starts + 1))
+  S.last, S.starts = now, S.starts + 1
+  redis.call('HSET', M, 'last', S.last, 'starts', S.starts)
+  redis.call('ZADD', H, now + l, member)
+end
+
+local function unstart(member)
+  local p = redis.call('HGET', M, 'p:' .. member)
+  if p then
+    local from, no = string.match(p, '^(.-),(.*)$')
+    if tonumber(no) == S.starts then
+      S.last = tonumber(from)
+      redis.call('HSET', M, 'last', S.last)
+    end
+  end
+end
+
+-- Grant free slots to the heads of the queue as far as the pacer and the quiet period
+-- allow. Returns the ms until a start may be possible again (-1: nothing to wait for).
+local function pump()
+  local free = S.lanes - redis.call('ZCARD', H)
+  while free > 0 do
+    local head = redis.call('ZRANGE', W, 0, 0)[1]
+    if not head then return -1 end
+    local due = S.quiet
+    if S.rpm > 0 then due = math.max(due, S.last + 60000 / S.rpm) end
+    if now < due then
+      local ms = math.ceil(due - now)
+      redis.call('PUBLISH', chan .. owner(head), 'p ' .. lane_name .. ' ' .. ms)
+      return ms
+    end
+    redis.call('ZREM', W, head)
+    redis.call('ZREM', WX, head)
+    grant(head)
+    table.insert(granted, head)
+    -- Published to its own relay too: the reply that lists it may never be read (the
+    -- call that made it was cancelled), and a renewal tick is too long to idle a slot.
+    redis.call('PUBLISH', chan .. owner(head), 'g ' .. head)
+    free = free - 1
+  end
+  return -1
+end
+
+local function keep()
+  for _, k in ipairs({H, W, WX, M, R}) do
+    if redis.call('PTTL', k) < lease then redis.call('PEXPIRE', k, lease) end
+  end
+end
+
+local function counts()
+  return redis.call('ZCARD', H), redis.call('ZCARD', W)
+end
+
+local function reply(status, wait)
+  keep()
+  local running, queued = counts()
+  return {status, running, queued, wait or -1, granted}
+end
+"""
+
+# Register, renew, re-register after a lost state, or store a reloaded profile.
+# ARGV[10] mode: start | renew | reload; then n holders, the holders; n waiters, then
+# (member, rank) pairs. Reply: {"mismatch", lanes, queue_max, rpm, set_by} at start when
+# the stored profile differs, else {"ok", running, queued, wait, granted, epoch, lanes,
+# queue_max, rpm, set_by, pver, lost holders, granted waiters, gone waiters, reclaimed}.
+SYNC = _PRELUDE + r"""
+local mode = ARGV[10]
+local known_before = known
+if not load() then
+  local uptime = tonumber(string.match(redis.call('INFO', 'server'),
+                                       'uptime_in_seconds:(%d+)')) or 0
+  local quiet = now - uptime * 1000 + lease
+  if known ~= '' then quiet = math.max(quiet, now + lease) end
+  redis.call('HSET', M, 'epoch', t[1] .. '.' .. t[2], 'lanes', ARGV[5], 'queue_max', ARGV[6],
+             'rpm', ARGV[7], 'last', -1e15, 'starts', 0, 'quiet', quiet, 'set_by', relay_id,
+             'pver', 1, 'seq', 0)
+  load()
+end
+if mode == 'start' and (S.lanes ~= tonumber(ARGV[5]) or S.queue_max ~= tonumber(ARGV[6])
+                        or S.rpm ~= tonumber(ARGV[7])) then
+  return {'mismatch', S.lanes, S.queue_max, tostring(S.rpm), S.set_by}
+end
+if mode == 'reload' and (S.lanes ~= tonumber(ARGV[5]) or S.queue_max ~= tonumber(ARGV[6])
+                         or S.rpm ~= tonumber(ARGV[7])) then
+  S.lanes, S.queue_max, S.rpm, S.set_by, S.pver =
+    tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7]), relay_id, S.pver + 1
+  redis.call('HSET', M, 'lanes', ARGV[5], 'queue_max', ARGV[6], 'rpm', ARGV[7],
+             'set_by', relay_id, 'pver', S.pver)
+end
+local reclaimed = prune()
+local rereg = known_before ~= S.epoch
+redis.call('ZADD', R, now + lease, instance)
+redis.call('HSET', M, 'l:' .. instance, lease)
+local lost, woken, gone = {}, {}, {}
+local i = 11
+for _ = 1, tonumber(ARGV[i]) do
+  i = i + 1
+  local h = ARGV[i]
+  if rereg or redis.call('ZSCORE', H, h) then
+    redis.call('ZADD', H, now + lease, h)
+  else
+    table.insert(lost, h)
+  end
+end
+i = i + 1
+local nw = tonumber(ARGV[i])
+for _ = 1, nw do
+  local w, rank = ARGV[i + 1], tonumber(ARGV[i + 2])
+  i = i + 2
+  if redis.call('ZSCORE', W, w) then
+    redis.call('ZADD', WX, now + lease, w)
+  elseif redis.call('ZSCORE', H, w) then
+    redis.call('ZADD', H, now + lease, w)
+    table.insert(woken, w)
+  elseif rereg then
+    local seq = redis.call('HINCRBY', M, 'seq', 1)
+    redis.call('ZADD', W, rank * 1099511627776 + seq, w)
+    redis.call('ZADD', WX, now + lease, w)
+  else
+    table.insert(gone, w)
+  end
+end
+local wait = pump()
+local out = reply('ok', wait)
+for _, v in ipairs({S.epoch, S.lanes, S.queue_max, tostring(S.rpm), S.set_by, S.pver}) do
+  table.insert(out, v)
+end
+table.insert(out, lost)
+table.insert(out, woken)
+table.insert(out, gone)
+table.insert(out, reclaimed)
+return out
+"""
+
+# Ask for a slot. ARGV[10] member, ARGV[11] rank. Reply status: granted | queued | full |
+# stale. Asking twice with one member is harmless (the reply says where it stands).
+ACQUIRE = _PRELUDE + r"""
+if not load() or S.epoch ~= known then return {'stale', 0, 0, -1, {}} end
+local member, rank = ARGV[10], tonumber(ARGV[11])
+prune()
+if redis.call('ZSCORE', H, member) then return reply('granted') end
+if redis.call('ZSCORE', W, member) then return reply('queued', pump()) end
+local running, queued = counts()
+local due = S.quiet
+if S.rpm > 0 then due = math.max(due, S.last + 60000 / S.rpm) end
+if queued == 0 and running < S.lanes and now >= due then
+  grant(member)
+  return reply('granted')
+end
+if queued >= S.queue_max then return reply('full') end
+local seq = redis.call('HINCRBY', M, 'seq', 1)
+redis.call('ZADD', W, rank * 1099511627776 + seq, member)
+redis.call('ZADD', WX, now + lease, member)
+local wait = pump()
+if redis.call('ZSCORE', H, member) then return reply('granted') end
+return reply('queued', wait)
+"""
+
+# A waiter leaves (its queue timeout, its client gone). ARGV[10] member. A grant that
+# landed on it meanwhile is given back, and was no start: the pacer forgets it unless
+# another start came after. Reply status: left | returned | gone | stale.
+LEAVE = _PRELUDE + r"""
+if not load() or S.epoch ~= known then return {'stale', 0, 0, -1, {}} end
+local member = ARGV[10]
+prune()
+if redis.call('ZREM', W, member) == 1 then
+  redis.call('ZREM', WX, member)
+  return reply('left', pump())
+end
+if redis.call('ZSCORE', H, member) then
+  unstart(member)
+  redis.call('ZREM', H, member)
+  redis.call('HDEL', M, 'p:' .. member)
+  return reply('returned', pump())
+end
+return reply('gone', pump())
+"""
+
+# A holder gives its slot back. ARGV[10] member. Reply status: released | gone (its
+# lease had expired: the slot was already taken back) | stale.
+RELEASE = _PRELUDE + r"""
+if not load() or S.epoch ~= known then return {'stale', 0, 0, -1, {}} end
+local member = ARGV[10]
+prune()
+local had = redis.call('ZREM', H, member)
+redis.call('HDEL', M, 'p:' .. member)
+return reply(had == 1 and 'released' or 'gone', pump())
+"""
+
+# Grant what the pacer or the quiet period now allows (asked at the time a reply named).
+PUMP = _PRELUDE + r"""
+if not load() or S.epoch ~= known then return {'stale', 0, 0, -1, {}} end
+prune()
+return reply('ok', pump())
+"""
+
+# One relay per interval runs a shared provider's connection check. KEYS[1] the claim,
+# ARGV[1] the relay, ARGV[2] the interval in ms. Reply: 1 claimed, 0 another relay has it.
+CLAIM = r"""
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
+"""

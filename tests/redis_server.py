@@ -1,0 +1,116 @@
+"""A real ``redis-server`` for the shared-lane tests (SPEC L11), on a free loopback port.
+
+Started as a child process with no persistence (a restart loses the state, which is what
+the tests want to see); stopped, paused (SIGSTOP), resumed (SIGCONT) and restarted on the
+same port by the tests. Tests skip with a clear message where ``redis-server`` is not
+installed (``.ci/install-redis.sh`` installs it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+__all__ = ["RedisServer", "redis_fixture", "require_redis"]
+
+REDIS = shutil.which("redis-server") or shutil.which("valkey-server")
+
+
+def require_redis() -> str:
+    if REDIS is None:
+        pytest.skip("redis-server (or valkey-server) is not installed: shared-lane tests "
+                    "need it (run .ci/install-redis.sh, or apt-get install redis-server)")
+    return REDIS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class RedisServer:
+    """One ``redis-server`` child process; see the module docstring."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self.binary = binary
+        self.workdir = workdir
+        self.port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = (self.workdir / "redis.log").open("ab")
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        deadline = time.monotonic() + 10.0
+        while True:  # bounded: until it answers PING
+            if self.proc.poll() is not None:
+                log_text = (self.workdir / "redis.log").read_text()
+                raise RuntimeError(f"redis-server exited: {log_text}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not answer within 10 s")
+            time.sleep(0.02)
+
+    def signal(self, signum: int) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signum)
+
+    def pause(self) -> None:
+        self.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def restart(self) -> None:
+        """Kill it and start a fresh one on the same port: every key is lost."""
+        self.stop()
+        self.start()
+
+    def command(self, *args: str) -> bytes:
+        """One command over a plain socket (for a test's own look at the keys)."""
+        wire = f"*{len(args)}\r\n".encode() + b"".join(
+            f"${len(a.encode())}\r\n".encode() + a.encode() + b"\r\n" for a in args)
+        with socket.create_connection(("127.0.0.1", self.port), timeout=2.0) as s:
+            s.sendall(wire)
+            return s.recv(65536)
+
+
+@pytest.fixture(name="redis")
+def redis_fixture(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(require_redis(), tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

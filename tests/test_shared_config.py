@@ -1,0 +1,79 @@
+"""The shared lanes' config keys (SPEC 9, L11): every problem named with its table and
+key, the URL's password never quoted, and it is a secret (redacted everywhere)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import config_from
+
+from relay import ConfigError
+
+PROVIDER = """
+[providers.up]
+adapter = "openai"
+base_url = "http://127.0.0.1:9/v1"
+models = ["m1"]
+shared = {shared}
+[providers.up.profile]
+lanes = 2
+queue_max = 4
+queue_timeout_s = 10
+run_timeout_s = 60
+"""
+
+
+def problems(text: str, tmp_path: Path, **kw: object) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        config_from(text, tmp_path, **kw)
+    return caught.value.problems
+
+
+def test_a_shared_provider_needs_a_coordination_server(tmp_path: Path) -> None:
+    (p,) = problems(PROVIDER.format(shared="true"), tmp_path)
+    assert "[providers.up] shared:" in p and "coordination_url" in p
+
+
+def test_shared_must_be_a_boolean(tmp_path: Path) -> None:
+    (p,) = problems('[server]\ncoordination_url = "redis://h:1/0"\n'
+                    + PROVIDER.format(shared='"yes"'), tmp_path)
+    assert p.endswith("[providers.up] shared: expected true or false")
+
+
+def test_the_url_is_checked_without_quoting_it(tmp_path: Path) -> None:
+    text = '[server]\ncoordination_url = "http://:hunter2hunter2@h/0"\n' + PROVIDER.format(
+        shared="true")
+    (p,) = problems(text, tmp_path)
+    assert "[server] coordination_url: must be a Redis or Valkey URL" in p
+    assert "hunter2" not in p
+
+
+def test_url_and_url_env_exclude_each_other_and_the_variable_must_be_set(
+        tmp_path: Path) -> None:
+    text = ('[server]\ncoordination_url = "redis://h:1/0"\ncoordination_url_env = "RC"\n'
+            + PROVIDER.format(shared="true"))
+    found = problems(text, tmp_path, environ={})
+    assert any("give coordination_url or coordination_url_env, not both" in p for p in found)
+    assert any("the environment variable RC is not set" in p for p in found)
+
+
+def test_the_password_from_the_environment_is_a_secret(tmp_path: Path) -> None:
+    text = '[server]\ncoordination_url_env = "RC"\nrelay_id = "a"\n' + PROVIDER.format(
+        shared="true")
+    env = {"RC": "redis://:pa%24%24word-long@127.0.0.1:6379/0"}
+    config = config_from(text, tmp_path, environ=env)
+    assert config.coordination_url(env) == env["RC"]
+    assert "pa$$word-long" in config.secrets(env)
+    assert config.relay_id == "a" and config.shared_providers == ("up",)
+    assert config.server.coordination_lease_s == 10.0
+    assert config.server.coordination_prefix == "relay"
+
+
+def test_names_must_be_plain(tmp_path: Path) -> None:
+    text = ('[server]\ncoordination_url = "redis://h:1/0"\nrelay_id = "a b"\n'
+            'coordination_prefix = ""\n' + PROVIDER.format(shared="false"))
+    found = problems(text, tmp_path)
+    assert any(p.endswith("[server] relay_id: must be a non-empty name without spaces, "
+                          "'{', '}' or '|'") for p in found)
+    assert any("[server] coordination_prefix:" in p for p in found)
