@@ -41,10 +41,11 @@ def _free_port() -> int:
 class RedisServer:
     """One ``redis-server`` child process; see the module docstring."""
 
-    def __init__(self, binary: str, workdir: Path) -> None:
+    def __init__(self, binary: str, workdir: Path, *, password: str | None = None) -> None:
         self.binary = binary
         self.workdir = workdir
         self.port = _free_port()
+        self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -56,7 +57,8 @@ class RedisServer:
         log = (self.workdir / "redis.log").open("ab")
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no"],
+             "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no",
+             *(["--requirepass", self.password] if self.password else [])],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         deadline = time.monotonic() + 10.0
@@ -67,7 +69,7 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):
                         return
             except OSError:
                 pass
@@ -99,11 +101,20 @@ class RedisServer:
 
     def command(self, *args: str) -> bytes:
         """One command over a plain socket (for a test's own look at the keys)."""
-        wire = f"*{len(args)}\r\n".encode() + b"".join(
-            f"${len(a.encode())}\r\n".encode() + a.encode() + b"\r\n" for a in args)
+        def wire(*parts: str) -> bytes:
+            return f"*{len(parts)}\r\n".encode() + b"".join(
+                f"${len(a.encode())}\r\n".encode() + a.encode() + b"\r\n" for a in parts)
+        auth = wire("AUTH", self.password) if self.password else b""
         with socket.create_connection(("127.0.0.1", self.port), timeout=2.0) as s:
-            s.sendall(wire)
-            return s.recv(65536)
+            s.sendall(auth + wire(*args))
+            data = b""
+            while (data.count(b"\r\n") < (2 if auth else 1)) or (
+                    auth and not data.startswith(b"+OK\r\n")):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            return data.removeprefix(b"+OK\r\n") if auth else data
 
 
 @pytest.fixture(name="redis")

@@ -91,6 +91,8 @@ class Coordinator:
         self._scripts: dict[str, Any] = {}
         self._renew_now = trio.Event()
         self._nursery: trio.Nursery | None = None
+        self._calls = 0  # commands on their way (a stop lets them land first)
+        self._calls_done = trio.Event()
         # Give-backs (LEAVE, RELEASE) that did not reach the server: member -> (lane,
         # script, since). Retried after each renewal until the lease has ended them.
         self.orphans: dict[str, tuple[SharedLane, str, float]] = {}
@@ -142,11 +144,29 @@ class Coordinator:
             RelayError: ``coordination_unavailable`` (the server did not answer in time,
                 refused, or is not connected).
         """
-        if self._client is None:
+        client = self._client
+        if client is None:
             raise self.unavailable(provider)
+        self._calls += 1
+        try:
+            return await self._call(script, keys, args, provider)
+        finally:
+            self._calls -= 1
+            if not self._calls:
+                self._calls_done.set()
+                self._calls_done = trio.Event()
+
+    async def _call(self, script: str, keys: list[str], args: list[Any],
+                    provider: str) -> Any:
         try:
             with trio.fail_after(self.command_timeout_s):
-                return await self._scripts[script](keys, [str(a) for a in args])
+                try:
+                    return await self._scripts[script](keys, [str(a) for a in args])
+                except coredis.exceptions.ConnectionError:
+                    # A pooled connection the server dropped (it restarted): once more,
+                    # on a fresh one. Every script is safe to run twice (the member
+                    # says where it stands), and a refused connection fails again.
+                    return await self._scripts[script](keys, [str(a) for a in args])
         except trio.TooSlowError as exc:
             self._down(f"no answer within {self.command_timeout_s:g} s")
             raise self.unavailable(provider) from exc
@@ -206,8 +226,16 @@ class Coordinator:
             try:
                 await self._renew_loop()
             finally:
+                # Relay stops: no new call starts, and give-backs already on their way
+                # (requests stopped by the same cancel) may land before the connections
+                # close — shielded, bounded by one command's time.
                 self._client = None
                 self.available = False
+                with trio.CancelScope(shield=True, deadline=trio.current_time()
+                                      + self.command_timeout_s):
+                    await trio.lowlevel.checkpoint()  # their finally blocks run first
+                    while self._calls:
+                        await self._calls_done.wait()
 
     async def _renew_loop(self) -> None:
         while True:
