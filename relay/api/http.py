@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 import httpx
 
+from relay.api.pool import LeanPool
 from relay.vocab.errors import RelayError, cut_marker
 
 __all__ = ["ERROR_BODY_MAX_BYTES", "PIECE_BYTES", "AsyncClient", "HTTPSettings", "Response",
@@ -61,16 +62,18 @@ class HTTPSettings:
 
 def make_client(settings: HTTPSettings, *, max_connections: int = 64) -> httpx.AsyncClient:
     """A client for one provider (one pool, so lanes map to connections)."""
+    transport = httpx.AsyncHTTPTransport(
+        retries=0, proxy=settings.proxy,
+        limits=httpx.Limits(max_connections=max_connections,
+                            # All of them: httpcore 1.0.9 counts every pooled
+                            # connection, busy or not, against this limit, and
+                            # closes idle ones past it (encode/httpcore#1000).
+                            max_keepalive_connections=max_connections))
+    LeanPool.install(transport)
     return httpx.AsyncClient(
         timeout=httpx.Timeout(connect=settings.connect_timeout_s, read=None, write=30.0,
                               pool=10.0),
-        transport=httpx.AsyncHTTPTransport(
-            retries=0, proxy=settings.proxy,
-            limits=httpx.Limits(max_connections=max_connections,
-                                # All of them: httpcore 1.0.9 counts every pooled
-                                # connection, busy or not, against this limit, and
-                                # closes idle ones past it (encode/httpcore#1000).
-                                max_keepalive_connections=max_connections)),
+        transport=transport,
         trust_env=False,
         follow_redirects=False,
         # What `UpstreamBody` decodes (with brotli or zstandard installed, httpx would

@@ -1,0 +1,120 @@
+"""The upstream pool (relay/api/pool.py, `LeanPool`): httpcore's decisions, found cheaper.
+
+Real sockets: a tiny HTTP/1.1 server on loopback that counts its connections and can
+close a keep-alive connection right after answering (as a server whose keep-alive
+timeout passed does), and relay's own client, `make_client`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import trio
+
+from relay.api.http import HTTPSettings, make_client
+from relay.api.pool import LeanPool
+
+BODY = b'{"ok":true}'
+
+
+class Server:
+    def __init__(self) -> None:
+        self.port = 0
+        self.connections = 0
+        self.open = 0
+        self.close_after_answer = False
+        self.release = trio.Event()
+        self.hold = False
+        self.holding = 0
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        self.open += 1
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    buf += data
+                _, _, buf = buf.partition(b"\r\n\r\n")  # GETs: no body
+                if self.hold:
+                    self.holding += 1
+                    await self.release.wait()
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                      b"content-length: %d\r\n\r\n%s" % (len(BODY), BODY))
+                if self.close_after_answer:
+                    return
+        finally:
+            self.open -= 1
+            await stream.aclose()
+
+
+@pytest.fixture
+async def server(nursery: trio.Nursery) -> AsyncIterator[Server]:
+    srv = Server()
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    srv.port = listeners[0].socket.getsockname()[1]
+    await nursery.start(trio.serve_listeners, srv.handle, listeners)
+    yield srv
+
+
+def _client(port: int, max_connections: int = 4):  # type: ignore[no-untyped-def]
+    return make_client(HTTPSettings(base_url=f"http://127.0.0.1:{port}"),
+                       max_connections=max_connections)
+
+
+async def _get(client, port: int) -> bytes:  # type: ignore[no-untyped-def]
+    async with client.stream("GET", f"http://127.0.0.1:{port}/x") as resp:
+        assert resp.status_code == 200
+        return b"".join([piece async for piece in resp.aiter_raw()])
+
+
+async def test_the_plain_pool_is_lean_and_a_connection_is_reused(server: Server) -> None:
+    async with _client(server.port) as client:
+        assert type(client._transport._pool) is LeanPool
+        for _ in range(20):
+            assert await _get(client, server.port) == BODY
+    assert server.connections == 1
+
+
+async def test_a_proxy_pool_is_left_alone() -> None:
+    client = make_client(HTTPSettings(proxy="http://127.0.0.1:9"))
+    async with client:
+        assert type(client._transport._pool) is not LeanPool
+
+
+async def test_concurrent_requests_stay_within_max_connections(server: Server) -> None:
+    server.hold = True
+    async with _client(server.port, max_connections=2) as client:
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(_get, client, server.port)
+            with trio.fail_after(5):
+                while server.holding < 2:
+                    await trio.sleep(0.005)
+            pool = client._transport._pool
+            with trio.fail_after(5):  # the 3 others wait in the pool for a connection
+                while sum(r.is_queued() for r in pool._requests) < 3:
+                    await trio.sleep(0.005)
+            assert server.connections == 2
+            assert len(pool.connections) == 2
+            server.release.set()
+        for _ in range(5):  # then the two connections serve everything
+            await _get(client, server.port)
+    assert server.connections == 2
+
+
+async def test_a_connection_the_server_closed_while_idle_is_not_reused(
+        server: Server) -> None:
+    """Within the sweep interval too: the expiry check before reuse sees the EOF."""
+    server.close_after_answer = True
+    async with _client(server.port) as client:
+        for i in range(5):
+            assert await _get(client, server.port) == BODY
+            with trio.fail_after(5):
+                while server.open:  # the server has closed the one it answered on
+                    await trio.sleep(0.005)
+            assert server.connections == i + 1
