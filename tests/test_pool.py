@@ -1,4 +1,5 @@
-"""The upstream pool (relay/api/pool.py, `LeanPool`): httpcore's decisions, found cheaper.
+"""The upstream client's pool (relay/api/pool.py, `LeanPool`: httpcore's decisions, found
+cheaper) and its cookie jar (none kept).
 
 Real sockets: a tiny HTTP/1.1 server on loopback that counts its connections and can
 close a keep-alive connection right after answering (as a server whose keep-alive
@@ -27,6 +28,8 @@ class Server:
         self.release = trio.Event()
         self.hold = False
         self.holding = 0
+        self.set_cookie = False
+        self.heads: list[bytes] = []
 
     async def handle(self, stream: trio.SocketStream) -> None:
         self.connections += 1
@@ -39,12 +42,15 @@ class Server:
                     if not data:
                         return
                     buf += data
-                _, _, buf = buf.partition(b"\r\n\r\n")  # GETs: no body
+                head, _, buf = buf.partition(b"\r\n\r\n")  # GETs: no body
+                self.heads.append(head.lower())
                 if self.hold:
                     self.holding += 1
                     await self.release.wait()
+                cookie = b"set-cookie: session=S1; Path=/\r\n" if self.set_cookie else b""
                 await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                                      b"content-length: %d\r\n\r\n%s" % (len(BODY), BODY))
+                                      b"%scontent-length: %d\r\n\r\n%s"
+                                      % (cookie, len(BODY), BODY))
                 if self.close_after_answer:
                     return
         finally:
@@ -118,3 +124,14 @@ async def test_a_connection_the_server_closed_while_idle_is_not_reused(
                 while server.open:  # the server has closed the one it answered on
                     await trio.sleep(0.005)
             assert server.connections == i + 1
+
+
+async def test_an_upstream_cookie_is_not_sent_back(server: Server) -> None:
+    """One client serves every caller of a provider: a cookie set in one answer must not
+    ride along on the next caller's request."""
+    server.set_cookie = True
+    async with _client(server.port) as client:
+        await _get(client, server.port)
+        await _get(client, server.port)
+    assert len(server.heads) == 2
+    assert b"cookie:" not in server.heads[1]
