@@ -1,5 +1,6 @@
 """The upstream client's pool (relay/api/pool.py, `LeanPool`: httpcore's decisions, found
-cheaper) and its cookie jar (none kept).
+cheaper; `CorkedStream`: a request's head and body in one write) and its cookie jar
+(none kept).
 
 Real sockets: a tiny HTTP/1.1 server on loopback that counts its connections and can
 close a keep-alive connection right after answering (as a server whose keep-alive
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import httpcore
 import pytest
 import trio
 
 from relay.api.http import HTTPSettings, make_client
-from relay.api.pool import LeanPool
+from relay.api.pool import CorkedBackend, CorkedStream, LeanPool
 
 BODY = b'{"ok":true}'
 
@@ -135,3 +137,62 @@ async def test_an_upstream_cookie_is_not_sent_back(server: Server) -> None:
         await _get(client, server.port)
     assert len(server.heads) == 2
     assert b"cookie:" not in server.heads[1]
+
+
+class _Recorded(httpcore.AsyncNetworkStream):
+    """httpcore's side of a connection, recording each write (and failing on request)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.fail_writes = False
+
+    async def write(self, buffer: bytes,
+                    timeout: float | None = None) -> None:  # noqa: ASYNC109
+        if self.fail_writes:
+            raise httpcore.WriteError("the server is gone")
+        self.writes.append(buffer)
+
+    async def read(self, max_bytes: int,
+                   timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        return b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+
+    async def aclose(self) -> None:
+        pass
+
+
+HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n"
+
+
+async def test_a_request_head_leaves_with_its_body_in_one_write() -> None:
+    inner = _Recorded()
+    stream = CorkedStream(inner)
+    await stream.write(HEAD)
+    await stream.write(b"{}")
+    await stream.write(b"")  # h11's end of message, for a content-length body
+    assert inner.writes == [HEAD + b"{}"]
+    get = b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"
+    await stream.write(get)
+    await stream.write(b"")
+    assert inner.writes == [HEAD + b"{}"]  # held until the answer is awaited
+    assert (await stream.read(100)).startswith(b"HTTP/1.1 200")
+    assert inner.writes == [HEAD + b"{}", get]
+
+
+async def test_a_held_head_that_cannot_be_written() -> None:
+    inner = _Recorded()
+    inner.fail_writes = True
+    stream = CorkedStream(inner)
+    await stream.write(HEAD)
+    with pytest.raises(httpcore.WriteError):  # with its body: the write's own failure
+        await stream.write(b"{}")
+    await stream.write(HEAD)
+    await stream.read(100)  # before the answer: dropped, as httpcore drops it, and read
+
+
+async def test_a_post_through_the_corked_pool(server: Server) -> None:
+    async with _client(server.port) as client:
+        pool = client._transport._pool
+        assert isinstance(pool._network_backend, CorkedBackend)
+        for _ in range(3):
+            assert await _get(client, server.port) == BODY
+    assert server.connections == 1

@@ -1,4 +1,5 @@
-"""The upstream connection pool: httpcore's, with a cheaper assignment of requests."""
+"""The upstream connection pool: httpcore's, with a cheaper assignment of requests, and
+each request's head and body sent in one write."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import httpcore
 
-__all__ = ["LeanPool"]
+__all__ = ["CorkedBackend", "LeanPool"]
 
 
 class LeanPool(httpcore.AsyncConnectionPool):
@@ -35,6 +36,7 @@ class LeanPool(httpcore.AsyncConnectionPool):
         object and settings, only these two methods differ."""
         if type(transport._pool) is httpcore.AsyncConnectionPool:
             transport._pool.__class__ = cls
+            transport._pool._network_backend = CorkedBackend(transport._pool._network_backend)
 
     def _assign_requests_to_connections(self) -> list[httpcore.AsyncConnectionInterface]:
         closing: list[httpcore.AsyncConnectionInterface] = []
@@ -82,3 +84,84 @@ class LeanPool(httpcore.AsyncConnectionPool):
         connection = self.create_connection(origin)
         self._connections.append(connection)
         pool_request.assign_to_connection(connection)
+
+
+def _is_request_head(data: bytes) -> bool:
+    """A request line and headers, nothing after them (h11 writes the head alone)."""
+    end = data.find(b"\r\n\r\n")
+    return end >= 0 and end == len(data) - 4 and data[:data.find(b"\r\n")].endswith(
+        (b" HTTP/1.1", b" HTTP/1.0"))
+
+
+class CorkedStream(httpcore.AsyncNetworkStream):
+    """A connection that holds a request's head back until what follows it — its body,
+    or the wait for the answer — so a request leaves in one write, not two (each write
+    on loopback wakes the upstream once more: ~0.1 ms a request at concurrency 1).
+
+    A held head goes out with the next write, or before the next read; a failure to
+    write it then is the same ``WriteError`` the write would have raised, and on a read
+    it is dropped as httpcore drops one (the server may have answered and closed)."""
+
+    def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
+        self._stream = stream
+        self._held = b""
+        self._held_timeout: float | None = None
+
+    # (The ``timeout`` parameters are httpcore's interface.)
+    async def write(self, buffer: bytes,
+                    timeout: float | None = None) -> None:  # noqa: ASYNC109
+        if not buffer:  # h11's end of a message without a body (or with a length)
+            return
+        if self._held:
+            buffer, self._held = self._held + buffer, b""
+        elif _is_request_head(buffer):
+            self._held, self._held_timeout = buffer, timeout
+            return
+        await self._stream.write(buffer, timeout)
+
+    async def read(self, max_bytes: int,
+                   timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        if self._held:
+            held, self._held = self._held, b""
+            try:
+                await self._stream.write(held, self._held_timeout)
+            except httpcore.WriteError:
+                pass  # as httpcore does: the answer (or the EOF) is read next
+        return await self._stream.read(max_bytes, timeout)
+
+    async def aclose(self) -> None:
+        self._held = b""
+        await self._stream.aclose()
+
+    async def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                        timeout: float | None = None,  # noqa: ASYNC109
+                        ) -> httpcore.AsyncNetworkStream:
+        return CorkedStream(await self._stream.start_tls(ssl_context, server_hostname,
+                                                         timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class CorkedBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's network backend, its connections `CorkedStream`."""
+
+    def __init__(self, backend: httpcore.AsyncNetworkBackend) -> None:
+        self._backend = backend
+
+    async def connect_tcp(self, host: str, port: int,
+                          timeout: float | None = None,  # noqa: ASYNC109
+                          local_address: str | None = None,
+                          socket_options: Any = None) -> httpcore.AsyncNetworkStream:
+        return CorkedStream(await self._backend.connect_tcp(
+            host, port, timeout=timeout, local_address=local_address,
+            socket_options=socket_options))
+
+    async def connect_unix_socket(self, path: str,
+                                  timeout: float | None = None,  # noqa: ASYNC109
+                                  socket_options: Any = None) -> httpcore.AsyncNetworkStream:
+        return CorkedStream(await self._backend.connect_unix_socket(
+            path, timeout=timeout, socket_options=socket_options))
+
+    async def sleep(self, seconds: float) -> None:
+        await self._backend.sleep(seconds)
