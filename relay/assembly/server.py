@@ -40,6 +40,7 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
 
 from relay.config import Config
+from relay.front.asgi import BODY_FOLLOWS
 
 from .relay import Relay, open_relay
 
@@ -61,8 +62,19 @@ class BoundedWriteTCPServer(TCPServer):
     def __init__(self, *args: Any, write_timeout_s: float) -> None:
         super().__init__(*args)
         self.write_timeout_s = write_timeout_s
+        self._held = b""  # a response head whose body follows at once
 
     async def protocol_send(self, event: Any) -> None:
+        if isinstance(event, RawData):
+            if self._held:
+                event, self._held = RawData(data=self._held + event.data), b""
+            elif BODY_FOLLOWS.get():
+                # relay's JSON answers: the head waits for its body (the next write), so
+                # both leave in one write, one wake-up of the client, not two.
+                self._held = event.data
+                return
+        elif self._held:  # anything else: what is held goes first
+            await self.protocol_send(RawData(data=b""))
         if isinstance(event, Closed | Updated):
             # hypercorn sends these from inside the app's last ``send``, after it has put
             # ``http.disconnect`` in the app's queue. quart-trio cancels its request
