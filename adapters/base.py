@@ -39,6 +39,7 @@ from relay.api.http import (
     read_answer,
     read_error_text,
     transport_errors,
+    upstream_url,
 )
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Delta, Event, EventSink
@@ -116,7 +117,8 @@ class HTTPAdapter(Adapter):
             sent = {**{k: v for k, v in self.headers.items() if k.lower() not in over},
                     **headers}
         with transport_errors(self.name, unreachable=self.unreachable_action()):
-            async with self._client.stream("POST", url, json=body, headers=sent) as resp:
+            async with self._client.stream("POST", upstream_url(url), json=body,
+                                           headers=sent) as resp:
                 if resp.status_code != 200:
                     raise await self.failed(resp)
                 if stream:
@@ -133,7 +135,8 @@ class HTTPAdapter(Adapter):
         """
         self.refuse_without_key()
         with transport_errors(self.name, what, unreachable=self.unreachable_action()):
-            async with self._client.stream("GET", url, headers=self.headers) as resp:
+            async with self._client.stream("GET", upstream_url(url),
+                                           headers=self.headers) as resp:
                 if resp.status_code != 200:
                     raise await self.failed(resp)
                 return await read_answer(resp, self.name, self.max_upstream_bytes, what)

@@ -14,7 +14,8 @@ For each front — and for the upstream called directly, the baseline — it mea
 
 Every front translates into relay's one internal request and back, so the difference
 between them is the dialect's parse and render; the Responses and Messages fronts'
-bodies are the same question as the chat one.
+bodies are the same question as the chat one (`bench.overhead.FRONTS`, whose section 1
+measures the same latency among its other figures).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import trio
 
 from bench.overhead import (
+    FRONTS,
     PY,
     Child,
     CPUWindow,
@@ -40,19 +42,6 @@ from bench.overhead import (
     start_upstream,
     write_config,
 )
-
-# front → (path, body for a model, the bytes that end a complete stream)
-FRONTS: dict[str, tuple[str, Any, bytes]] = {
-    "chat": ("/v1/chat/completions", lambda model, stream: {
-        "model": model, "stream": stream,
-        "messages": [{"role": "user", "content": "hello"}]}, b"data: [DONE]\n\n"),
-    "messages": ("/v1/messages", lambda model, stream: {
-        "model": model, "stream": stream, "max_tokens": 1000,
-        "messages": [{"role": "user", "content": "hello"}]}, b"message_stop"),
-    "responses": ("/v1/responses", lambda model, stream: {
-        "model": model, "stream": stream, "input": "hello", "store": False},
-        b"response.completed"),
-}
 
 
 def raw(hostport: str, front: str, model: str, stream: bool) -> bytes:

@@ -21,6 +21,7 @@ body and says how much it read. Only ``gzip`` and ``deflate`` are asked for and 
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import socket
 import ssl
@@ -32,11 +33,13 @@ from typing import Any
 import attrs
 import httpx
 
+from relay.api.inflate import Inflate
+from relay.api.pool import LeanPool
 from relay.vocab.errors import RelayError, cut_marker
 
 __all__ = ["ERROR_BODY_MAX_BYTES", "PIECE_BYTES", "AsyncClient", "HTTPSettings", "Response",
            "UpstreamBody", "get_json", "make_client", "post_json", "read_answer",
-           "read_error_text", "transport_errors"]
+           "read_error_text", "transport_errors", "upstream_url"]
 
 PIECE_BYTES = 64 * 1024  # the most a decoded piece of a body holds
 # An error body is read up to this (or max_upstream_bytes, if smaller): relay shows at
@@ -61,22 +64,42 @@ class HTTPSettings:
 
 def make_client(settings: HTTPSettings, *, max_connections: int = 64) -> httpx.AsyncClient:
     """A client for one provider (one pool, so lanes map to connections)."""
-    return httpx.AsyncClient(
+    transport = httpx.AsyncHTTPTransport(
+        retries=0, proxy=settings.proxy,
+        limits=httpx.Limits(max_connections=max_connections,
+                            # All of them: httpcore 1.0.9 counts every pooled
+                            # connection, busy or not, against this limit, and
+                            # closes idle ones past it (encode/httpcore#1000).
+                            max_keepalive_connections=max_connections))
+    LeanPool.install(transport)
+    client = httpx.AsyncClient(
         timeout=httpx.Timeout(connect=settings.connect_timeout_s, read=None, write=30.0,
                               pool=10.0),
-        transport=httpx.AsyncHTTPTransport(
-            retries=0, proxy=settings.proxy,
-            limits=httpx.Limits(max_connections=max_connections,
-                                # All of them: httpcore 1.0.9 counts every pooled
-                                # connection, busy or not, against this limit, and
-                                # closes idle ones past it (encode/httpcore#1000).
-                                max_keepalive_connections=max_connections)),
+        transport=transport,
         trust_env=False,
         follow_redirects=False,
         # What `UpstreamBody` decodes (with brotli or zstandard installed, httpx would
         # ask for those too).
         headers={"accept-encoding": "gzip, deflate"},
     )
+    client._cookies = _NoCookies()  # (the property's setter would copy it into a plain jar)
+    return client
+
+
+class _NoCookies(httpx.Cookies):
+    """A jar that keeps nothing: relay sends no upstream's cookies back. One client
+    serves every caller of a provider, so a cookie set in one caller's answer must not
+    ride along on another's request; and reading ``Set-Cookie`` the stdlib way cost
+    ~0.1 ms per request (issue 16's profile)."""
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        pass
+
+
+@functools.lru_cache(maxsize=256)
+def upstream_url(url: str) -> httpx.URL:
+    """``url`` parsed once (an adapter's few URLs, reused by every request)."""
+    return httpx.URL(url)
 
 
 @contextmanager
@@ -223,41 +246,6 @@ def _connect_failure(provider: str, exc: httpx.ConnectError,
             f"firewall), or fix base_url in [providers.{provider}]")
 
 
-class _Inflate:
-    """zlib decompression with bounded output: ``take(n)`` gives at most ``n`` bytes."""
-
-    def __init__(self, encoding: str) -> None:
-        self.encoding = encoding
-        self._gzip = encoding in ("gzip", "x-gzip")
-        self._d: Any = zlib.decompressobj(zlib.MAX_WBITS | 16) if self._gzip else None
-        self._input = b""
-        self._more = False  # the last take was full: zlib may hold more output
-
-    def feed(self, data: bytes) -> None:
-        self._input += data
-
-    def take(self, n: int) -> bytes:
-        if self._d is None:  # deflate: zlib-wrapped (RFC 1950) or, as some servers send, raw
-            if len(self._input) < 2:
-                return b""
-            cmf, flg = self._input[0], self._input[1]
-            wrapped = cmf & 0x0F == 8 and (cmf * 256 + flg) % 31 == 0
-            self._d = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
-        if not self._input and not self._more:
-            return b""
-        out: bytes = self._d.decompress(self._input, n)
-        self._input = self._d.unconsumed_tail
-        self._more = len(out) == n
-        if self._d.eof:
-            rest = self._d.unused_data
-            self._more = False
-            self._input = b""
-            if self._gzip and rest.startswith(b"\x1f\x8b"):  # another gzip member follows
-                self._d = zlib.decompressobj(zlib.MAX_WBITS | 16)
-                self._input = rest
-        return out
-
-
 class UpstreamBody:
     """The decoded body of an open httpx response, in pieces of at most `PIECE_BYTES`.
 
@@ -279,7 +267,7 @@ class UpstreamBody:
             raise RelayError("bad_upstream_response", f"provider {provider!r} sent its "
                              f"{what} with content-encoding {', '.join(codings)!r}; relay "
                              "asks for gzip or deflate only", provider=provider)
-        self._inflate = _Inflate(codings[0]) if codings else None
+        self._inflate = Inflate(codings[0]) if codings else None
 
     async def piece(self, most: int = PIECE_BYTES) -> bytes | None:
         """The next decoded bytes (at most ``most``), or None at the end of the body."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 from functools import partial
 from typing import Any
 
@@ -40,6 +41,7 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
 
 from relay.config import Config
+from relay.front.asgi import BODY_FOLLOWS
 
 from .relay import Relay, open_relay
 
@@ -61,8 +63,21 @@ class BoundedWriteTCPServer(TCPServer):
     def __init__(self, *args: Any, write_timeout_s: float) -> None:
         super().__init__(*args)
         self.write_timeout_s = write_timeout_s
+        self._held = b""  # a response head whose body follows at once
+        # (hypercorn's own starts a task per request; same two methods)
+        self.idle_task = _KeepAliveTimer(self)  # type: ignore[assignment]
 
     async def protocol_send(self, event: Any) -> None:
+        if isinstance(event, RawData):
+            if self._held:
+                event, self._held = RawData(data=self._held + event.data), b""
+            elif BODY_FOLLOWS.get():
+                # relay's JSON answers: the head waits for its body (the next write), so
+                # both leave in one write, one wake-up of the client, not two.
+                self._held = event.data
+                return
+        elif self._held:  # anything else: what is held goes first
+            await self.protocol_send(RawData(data=b""))
         if isinstance(event, Closed | Updated):
             # hypercorn sends these from inside the app's last ``send``, after it has put
             # ``http.disconnect`` in the app's queue. quart-trio cancels its request
@@ -85,6 +100,49 @@ class BoundedWriteTCPServer(TCPServer):
                 await self.stream.aclose()  # closes even when cancelled; wakes the reader
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await self.protocol.handle(Closed())  # → http.disconnect → stop
+
+
+class _KeepAliveTimer:
+    """hypercorn's keep-alive timer, in its place (``restart`` as the connection goes
+    idle, ``stop`` as a request comes), with one task per connection instead of one
+    started per request: the task waits for the server's end in a scope whose deadline
+    is moved — now + ``keep_alive_timeout`` while idle, never while busy. What it does
+    when it fires is hypercorn's: an idle connection is closed after the timeout, or at
+    once when the server is terminating; a busy one only once it is idle again."""
+
+    def __init__(self, server: BoundedWriteTCPServer) -> None:
+        self._server = server
+        self._scope = trio.CancelScope(deadline=math.inf)
+        self._idle = False
+        self._idle_again: trio.Event | None = None
+        self._started = False
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        self._idle = True
+        self._scope.deadline = trio.current_time() + self._server.config.keep_alive_timeout
+        if self._idle_again is not None:
+            self._idle_again.set()
+        if not self._started:
+            self._started = True
+            task_group._nursery.start_soon(self._run)  # as hypercorn's own timer runs
+
+    async def stop(self) -> None:
+        self._idle = False
+        self._scope.deadline = math.inf
+
+    async def _run(self) -> None:
+        while True:
+            with self._scope:
+                await self._server.context.terminated.wait()
+            if self._idle:
+                break  # idle for keep_alive_timeout, or the server is terminating
+            if not self._scope.cancelled_caught:  # terminating while a request runs
+                self._idle_again = trio.Event()
+                await self._idle_again.wait()
+                break
+            self._scope = trio.CancelScope(deadline=math.inf)  # it was busy again in time
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+            await self._server._initiate_server_close()
 
 
 class ListenError(OSError):

@@ -4,6 +4,7 @@ the table of the routes relay serves in raw ASGI, each in its dialect."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 from relay.dialects.anthropic_messages import ANTHROPIC
@@ -12,8 +13,8 @@ from relay.dialects.openai_chat import OPENAI
 from relay.dialects.openai_responses import RESPONSES
 from relay.vocab.errors import RelayError
 
-__all__ = ["RELAY_ROUTES", "Message", "Receive", "Scope", "Send", "header", "send_error",
-           "send_json"]
+__all__ = ["BODY_FOLLOWS", "RELAY_ROUTES", "Message", "Receive", "Scope", "Send", "header",
+           "send_error", "send_json"]
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -23,6 +24,11 @@ Send = Callable[[Message], Awaitable[None]]
 # The relay routes: served in raw ASGI, each in its dialect (SPEC A1, A6, A7).
 RELAY_ROUTES: dict[str, Dialect] = {"/v1/chat/completions": OPENAI, "/v1/messages": ANTHROPIC,
                                     "/v1/responses": RESPONSES}
+
+
+# True while `send_json` sends its http.response.start: the body follows at once, so the
+# server may hold the head back and send both in one write (relay.assembly.server).
+BODY_FOLLOWS: ContextVar[bool] = ContextVar("relay_body_follows", default=False)
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -35,9 +41,14 @@ def header(scope: Scope, name: bytes) -> str | None:
 async def send_json(send: Send, status: int, obj: Any,
                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = dumps(obj)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    follows = BODY_FOLLOWS.set(True)
+    try:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                *(headers or [])]})
+    finally:
+        BODY_FOLLOWS.reset(follows)
     await send({"type": "http.response.body", "body": body})
 
 

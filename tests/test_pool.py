@@ -1,0 +1,198 @@
+"""The upstream client's pool (relay/api/pool.py, `LeanPool`: httpcore's decisions, found
+cheaper; `CorkedStream`: a request's head and body in one write) and its cookie jar
+(none kept).
+
+Real sockets: a tiny HTTP/1.1 server on loopback that counts its connections and can
+close a keep-alive connection right after answering (as a server whose keep-alive
+timeout passed does), and relay's own client, `make_client`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpcore
+import pytest
+import trio
+
+from relay.api.http import HTTPSettings, make_client
+from relay.api.pool import CorkedBackend, CorkedStream, LeanPool
+
+BODY = b'{"ok":true}'
+
+
+class Server:
+    def __init__(self) -> None:
+        self.port = 0
+        self.connections = 0
+        self.open = 0
+        self.close_after_answer = False
+        self.release = trio.Event()
+        self.hold = False
+        self.holding = 0
+        self.set_cookie = False
+        self.heads: list[bytes] = []
+
+    async def handle(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        self.open += 1
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")  # GETs: no body
+                self.heads.append(head.lower())
+                if self.hold:
+                    self.holding += 1
+                    await self.release.wait()
+                cookie = b"set-cookie: session=S1; Path=/\r\n" if self.set_cookie else b""
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                                      b"%scontent-length: %d\r\n\r\n%s"
+                                      % (cookie, len(BODY), BODY))
+                if self.close_after_answer:
+                    return
+        finally:
+            self.open -= 1
+            await stream.aclose()
+
+
+@pytest.fixture
+async def server(nursery: trio.Nursery) -> AsyncIterator[Server]:
+    srv = Server()
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    srv.port = listeners[0].socket.getsockname()[1]
+    await nursery.start(trio.serve_listeners, srv.handle, listeners)
+    yield srv
+
+
+def _client(port: int, max_connections: int = 4):  # type: ignore[no-untyped-def]
+    return make_client(HTTPSettings(base_url=f"http://127.0.0.1:{port}"),
+                       max_connections=max_connections)
+
+
+async def _get(client, port: int) -> bytes:  # type: ignore[no-untyped-def]
+    async with client.stream("GET", f"http://127.0.0.1:{port}/x") as resp:
+        assert resp.status_code == 200
+        return b"".join([piece async for piece in resp.aiter_raw()])
+
+
+async def test_the_plain_pool_is_lean_and_a_connection_is_reused(server: Server) -> None:
+    async with _client(server.port) as client:
+        assert type(client._transport._pool) is LeanPool
+        for _ in range(20):
+            assert await _get(client, server.port) == BODY
+    assert server.connections == 1
+
+
+async def test_a_proxy_pool_is_left_alone() -> None:
+    client = make_client(HTTPSettings(proxy="http://127.0.0.1:9"))
+    async with client:
+        assert type(client._transport._pool) is not LeanPool
+
+
+async def test_concurrent_requests_stay_within_max_connections(server: Server) -> None:
+    server.hold = True
+    async with _client(server.port, max_connections=2) as client:
+        async with trio.open_nursery() as nursery:
+            for _ in range(5):
+                nursery.start_soon(_get, client, server.port)
+            with trio.fail_after(5):
+                while server.holding < 2:
+                    await trio.sleep(0.005)
+            pool = client._transport._pool
+            with trio.fail_after(5):  # the 3 others wait in the pool for a connection
+                while sum(r.is_queued() for r in pool._requests) < 3:
+                    await trio.sleep(0.005)
+            assert server.connections == 2
+            assert len(pool.connections) == 2
+            server.release.set()
+        for _ in range(5):  # then the two connections serve everything
+            await _get(client, server.port)
+    assert server.connections == 2
+
+
+async def test_a_connection_the_server_closed_while_idle_is_not_reused(
+        server: Server) -> None:
+    """Within the sweep interval too: the expiry check before reuse sees the EOF."""
+    server.close_after_answer = True
+    async with _client(server.port) as client:
+        for i in range(5):
+            assert await _get(client, server.port) == BODY
+            with trio.fail_after(5):
+                while server.open:  # the server has closed the one it answered on
+                    await trio.sleep(0.005)
+            assert server.connections == i + 1
+
+
+async def test_an_upstream_cookie_is_not_sent_back(server: Server) -> None:
+    """One client serves every caller of a provider: a cookie set in one answer must not
+    ride along on the next caller's request."""
+    server.set_cookie = True
+    async with _client(server.port) as client:
+        await _get(client, server.port)
+        await _get(client, server.port)
+    assert len(server.heads) == 2
+    assert b"cookie:" not in server.heads[1]
+
+
+class _Recorded(httpcore.AsyncNetworkStream):
+    """httpcore's side of a connection, recording each write (and failing on request)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.fail_writes = False
+
+    async def write(self, buffer: bytes,
+                    timeout: float | None = None) -> None:  # noqa: ASYNC109
+        if self.fail_writes:
+            raise httpcore.WriteError("the server is gone")
+        self.writes.append(buffer)
+
+    async def read(self, max_bytes: int,
+                   timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        return b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+
+    async def aclose(self) -> None:
+        pass
+
+
+HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n"
+
+
+async def test_a_request_head_leaves_with_its_body_in_one_write() -> None:
+    inner = _Recorded()
+    stream = CorkedStream(inner)
+    await stream.write(HEAD)
+    await stream.write(b"{}")
+    await stream.write(b"")  # h11's end of message, for a content-length body
+    assert inner.writes == [HEAD + b"{}"]
+    get = b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"
+    await stream.write(get)
+    await stream.write(b"")
+    assert inner.writes == [HEAD + b"{}"]  # held until the answer is awaited
+    assert (await stream.read(100)).startswith(b"HTTP/1.1 200")
+    assert inner.writes == [HEAD + b"{}", get]
+
+
+async def test_a_held_head_that_cannot_be_written() -> None:
+    inner = _Recorded()
+    inner.fail_writes = True
+    stream = CorkedStream(inner)
+    await stream.write(HEAD)
+    with pytest.raises(httpcore.WriteError):  # with its body: the write's own failure
+        await stream.write(b"{}")
+    await stream.write(HEAD)
+    await stream.read(100)  # before the answer: dropped, as httpcore drops it, and read
+
+
+async def test_a_post_through_the_corked_pool(server: Server) -> None:
+    async with _client(server.port) as client:
+        pool = client._transport._pool
+        assert isinstance(pool._network_backend, CorkedBackend)
+        for _ in range(3):
+            assert await _get(client, server.port) == BODY
+    assert server.connections == 1
