@@ -352,3 +352,25 @@ models = ["echo"]
         await a.relay.reload(config_from(text, tmp_path / "r0"))
         await wait_for(lambda: "up" not in coord.lanes)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_renewal_never_reports_a_waiter_whose_acquire_is_still_on_its_way(
+        redis: RedisServer, nursery: trio.Nursery) -> None:
+    """Regression: a renewal sent while a request's ACQUIRE had not reached the server
+    yet listed that request; the server knew no such waiter and answered "gone", and
+    the request failed with coordination_lost (seen after a server restart, where the
+    re-registration and the retried ACQUIRE race)."""
+    from relay.engine.coordination import Coordinator
+    from relay.engine.lanes import Ticket
+    from relay.engine.shared_lane import SharedLane, _Member
+    from relay.vocab.profile import Profile
+
+    coord = Coordinator(redis.url, prefix="race", lease_s=2.0, relay_id="r")
+    lane = SharedLane("up", Profile(lanes=1, queue_max=4, queue_timeout_s=10,
+                                    run_timeout_s=60), coord)
+    await nursery.start(coord.serve)
+    on_its_way = _Member(coord.new_member(), 1, Ticket(priority="normal",
+                                                       queued_at=trio.current_time()))
+    lane._waiters[on_its_way.member] = on_its_way  # as _acquire does before ACQUIRE
+    await lane.sync()
+    assert not on_its_way.gone

@@ -164,8 +164,10 @@ class Coordinator:
                     return await self._scripts[script](keys, [str(a) for a in args])
                 except coredis.exceptions.ConnectionError:
                     # A pooled connection the server dropped (it restarted): once more,
-                    # on a fresh one. Every script is safe to run twice (the member
-                    # says where it stands), and a refused connection fails again.
+                    # on a fresh one, if the server takes connections at all. Every
+                    # script is safe to run twice (the member says where it stands).
+                    if not await self._reachable():
+                        raise
                     return await self._scripts[script](keys, [str(a) for a in args])
         except trio.TooSlowError as exc:
             self._down(f"no answer within {self.command_timeout_s:g} s")

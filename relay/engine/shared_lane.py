@@ -66,6 +66,7 @@ class _Member:
     granted: bool = False
     gone: bool = False      # the server dropped its place (its lease expired)
     on_server: bool = True  # the server may hold it: leaving must tell it
+    queued: bool = False    # the server said it waits: renewals carry it from then on
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     lost: bool = False      # the server took its slot back
 
@@ -190,6 +191,7 @@ class SharedLane:
                 raise self._coord.unavailable(self.name, "its state was lost and is being "
                                               "rebuilt")
             if status != "granted" and not m.granted:
+                m.queued = True
                 if on_queued is not None:
                     on_queued()
                 await self._wait(m, now + self._local.queue_timeout_s)
@@ -312,7 +314,9 @@ class SharedLane:
             ConfigError: at start, the stored profile differs from this relay's.
         """
         holders = list(self._holders)
-        waiters = [(name, m.rank) for name, m in self._waiters.items()]
+        # Only waiters the server has queued: one whose ACQUIRE is still on its way would
+        # be reported gone (or, after a lost state, queued twice).
+        waiters = [(name, m.rank) for name, m in self._waiters.items() if m.queued]
         mode = mode or ("start" if not self.epoch else "renew")
         args = [mode, len(holders), *holders, len(waiters),
                 *(x for pair in waiters for x in pair)]

@@ -28,7 +28,9 @@ knows another epoch than the stored one (the state was lost and made anew: a ser
 restart) gets ``stale`` and re-registers (`SYNC`) first. After the state is made anew by
 a relay that had known it, or within one lease of the server's own start, no grant is
 made for one lease (the quiet period): the holders of before re-register within it, so
-nothing is over-admitted. Every reply ends with the lane's global running and queued.
+nothing is over-admitted. Every reply starts with its status, the lane's global running
+and queued, the ms until a start may be possible again (-1: none pending), and the
+grants it made.
 """
 
 from __future__ import annotations
