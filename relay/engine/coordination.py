@@ -39,7 +39,7 @@ import logging
 import math
 import secrets
 import urllib.parse
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 import coredis
@@ -50,8 +50,19 @@ from relay.vocab.errors import ConfigError, RelayError
 
 from . import shared_scripts
 
-if TYPE_CHECKING:
-    from .shared_lane import SharedLane
+
+class CoordinatedLane(Protocol):
+    """What the coordinator asks of each shared lane (`relay.engine.shared_lane.SharedLane`,
+    which imports this module)."""
+
+    name: str
+
+    async def wait_idle(self) -> None: ...
+    async def sync(self, *, at_start: bool = False, mode: str | None = None) -> None: ...
+    def renewed(self, lost_at: float) -> None: ...
+    async def retry_give_back(self, script: str, member: str) -> None: ...
+    def pump_hint(self, ms: int) -> None: ...
+    def woken(self, member: str) -> bool: ...
 
 __all__ = ["Coordinator"]
 
@@ -81,7 +92,7 @@ class Coordinator:
         self.channel = self.channel_prefix + self.instance
         self.tick_s = lease_s / 4
         self.command_timeout_s = min(1.0, lease_s / 4)
-        self.lanes: dict[str, SharedLane] = {}
+        self.lanes: dict[str, CoordinatedLane] = {}
         self.available = False
         self.down_reason = "not connected yet"
         self.renewed_at = -math.inf
@@ -95,7 +106,7 @@ class Coordinator:
         self._calls_done = trio.Event()
         # Give-backs (LEAVE, RELEASE) that did not reach the server: member -> (lane,
         # script, since). Retried after each renewal until the lease has ended them.
-        self.orphans: dict[str, tuple[SharedLane, str, float]] = {}
+        self.orphans: dict[str, tuple[CoordinatedLane, str, float]] = {}
 
     # --- what lanes ask ---------------------------------------------------------------------
     @property
@@ -103,11 +114,11 @@ class Coordinator:
         """When this relay's holders must stop unless a renewal gets through first."""
         return self.renewed_at + self.lease_s * LOST_FRACTION
 
-    def add(self, lane: SharedLane) -> None:
+    def add(self, lane: CoordinatedLane) -> None:
         self.lanes[lane.name] = lane
         self.renew_soon()
 
-    async def forget_when_idle(self, lane: SharedLane) -> None:
+    async def forget_when_idle(self, lane: CoordinatedLane) -> None:
         """A removed provider's lane: renewed until its last request has left."""
         await lane.wait_idle()
         if self.lanes.get(lane.name) is lane:

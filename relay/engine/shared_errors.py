@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from relay.vocab.errors import RelayError
 from relay.vocab.events import LaneStatistics
 
-from .coordination import LOST_FRACTION
-
-if TYPE_CHECKING:
-    from .coordination import Coordinator
+from .coordination import LOST_FRACTION, Coordinator
 
 __all__ = ["capacity_error", "lost_error", "mismatch_problem"]
 
