@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import trio
+from cli_procs import FAKE_CLI
 from conftest import records, wait_for
 from fake_http import FakeServer
 
@@ -121,3 +122,48 @@ async def stop_closes_upstream(server: FakeServer, stream: trio.SocketStream) ->
     latency = conn.closed_at - stopped
     assert latency < BOUND_S, f"upstream closed {latency * 1000:.1f} ms after the stop"
     return latency
+
+
+def every_kind_config(up_url: str, ant_url: str, gem_url: str, cli_log: Path, *,
+                      up_models: tuple[str, ...] = ("m1",), extra: str = "") -> str:
+    """A config with a provider of every adapter kind: the fake, ``up`` (openai), ``ant``
+    (anthropic), ``gem`` (gemini) at the given fake servers, and the three fake CLI tools
+    (logging what they are sent to ``cli_log``)."""
+    models = ", ".join(f'"{m}"' for m in up_models)
+    text = f"""
+[server]
+records = "records.jsonl"
+[providers.fake]
+adapter = "fake"
+[providers.up]
+adapter = "openai"
+base_url = "{up_url}"
+models = [{models}]
+[providers.up.profile]
+lanes = 4
+queue_max = 8
+queue_timeout_s = 10
+run_timeout_s = 20
+[providers.ant]
+adapter = "anthropic"
+base_url = "{ant_url}"
+api_key_env = "RELAY_TEST_ANTHROPIC_KEY"
+models = ["claude-x"]
+[providers.ant.profile]
+rpm = 0
+[providers.gem]
+adapter = "gemini"
+base_url = "{gem_url}"
+api_key_env = "RELAY_TEST_GEMINI_KEY"
+models = ["g"]
+[providers.gem.profile]
+rpm = 0
+"""
+    for tool in ("claude", "codex", "gemini"):
+        text += f"""
+[providers.{tool}]
+adapter = "{tool}-cli"
+command = "{FAKE_CLI / tool}"
+env = {{ FAKE_CLI_LOG = "{cli_log}" }}
+"""
+    return text + extra

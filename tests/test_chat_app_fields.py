@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 import trio
-from cli_procs import FAKE_CLI, open_cli_relay
-from cloud_helpers import one_record, sse_blocks
+from cli_procs import open_cli_relay
+from cloud_helpers import every_kind_config, one_record, sse_blocks
 from conftest import records
 from fake_anthropic import KEY as ANTHROPIC_KEY
 from fake_anthropic import FakeAnthropic, serve_fake_anthropic
@@ -45,43 +45,8 @@ DROPPED = {"fake/echo": HINTS, "up/m1": [], "ant/claude-x": HINTS[2:], "gem/g": 
 
 def config(up: FakeUpstream, ant: FakeAnthropic, gem: FakeGemini, tmp_path: Path,
            extra: str = "") -> str:
-    text = f"""
-[server]
-records = "records.jsonl"
-[providers.fake]
-adapter = "fake"
-[providers.up]
-adapter = "openai"
-base_url = "{up.url}"
-models = ["m1", "bare", "cut"]
-[providers.up.profile]
-lanes = 4
-queue_max = 8
-queue_timeout_s = 10
-run_timeout_s = 20
-[providers.ant]
-adapter = "anthropic"
-base_url = "{ant.url}"
-api_key_env = "RELAY_TEST_ANTHROPIC_KEY"
-models = ["claude-x"]
-[providers.ant.profile]
-rpm = 0
-[providers.gem]
-adapter = "gemini"
-base_url = "{gem.url}"
-api_key_env = "RELAY_TEST_GEMINI_KEY"
-models = ["g"]
-[providers.gem.profile]
-rpm = 0
-"""
-    for tool in ("claude", "codex", "gemini"):
-        text += f"""
-[providers.{tool}]
-adapter = "{tool}-cli"
-command = "{FAKE_CLI / tool}"
-env = {{ FAKE_CLI_LOG = "{tmp_path / 'fake-cli.jsonl'}" }}
-"""
-    return text + extra
+    return every_kind_config(up.url, ant.url, gem.url, tmp_path / "fake-cli.jsonl",
+                             up_models=("m1", "bare", "cut"), extra=extra)
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from cli_procs import FAKE_CLI, open_cli_relay
+from cli_procs import open_cli_relay
+from cloud_helpers import every_kind_config
 from fake_anthropic import KEY as ANTHROPIC_KEY
 from fake_anthropic import FakeAnthropic, serve_fake_anthropic
 from fake_gemini import KEY as GEMINI_KEY
@@ -242,42 +243,7 @@ async def walk(nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.Monkey
     ant: FakeAnthropic = await nursery.start(serve_fake_anthropic)
     gem: FakeGemini = await nursery.start(serve_fake_gemini)
     log = tmp_path / "fake-cli.jsonl"
-    text = f"""
-[server]
-records = "records.jsonl"
-[providers.fake]
-adapter = "fake"
-[providers.up]
-adapter = "openai"
-base_url = "{up.url}"
-models = ["m1"]
-[providers.up.profile]
-lanes = 4
-queue_max = 8
-queue_timeout_s = 10
-run_timeout_s = 20
-[providers.ant]
-adapter = "anthropic"
-base_url = "{ant.url}"
-api_key_env = "RELAY_TEST_ANTHROPIC_KEY"
-models = ["claude-x"]
-[providers.ant.profile]
-rpm = 0
-[providers.gem]
-adapter = "gemini"
-base_url = "{gem.url}"
-api_key_env = "RELAY_TEST_GEMINI_KEY"
-models = ["g"]
-[providers.gem.profile]
-rpm = 0
-"""
-    for tool in ("claude", "codex", "gemini"):
-        text += f"""
-[providers.{tool}]
-adapter = "{tool}-cli"
-command = "{FAKE_CLI / tool}"
-env = {{ FAKE_CLI_LOG = "{log}" }}
-"""
+    text = every_kind_config(up.url, ant.url, gem.url, log)
     async with open_cli_relay(text, tmp_path) as served, httpx.AsyncClient(
             trust_env=False, timeout=30) as client:
         yield served, Fakes(up, ant, gem), client
