@@ -30,14 +30,12 @@ from typing import Any
 import trio
 
 from relay.api.adapter import Adapter
+from relay.api.body import UpstreamBody, read_answer, read_error_text
 from relay.api.http import (
     ERROR_BODY_MAX_BYTES,
-    AsyncClient,
     Response,
-    UpstreamBody,
+    UpstreamClient,
     make_client,
-    read_answer,
-    read_error_text,
     transport_errors,
     upstream_url,
 )
@@ -64,7 +62,7 @@ class HTTPAdapter(Adapter):
     """An adapter that talks HTTP: one pooled client for its life, sized by its lanes,
     and a key from the environment (``key_env``; ``key_missing`` when it is unset)."""
 
-    _client: AsyncClient
+    _client: UpstreamClient
     headers: dict[str, str]
     key_env: str | None = None
     key_missing: bool = False

@@ -26,7 +26,8 @@ from hostile_upstream import PIECE, TEXT, Hostile, MiB, Plan, gzip_answer, serve
 
 import relay
 from relay.adapters.base import MAX_SSE_BYTES, SSEDecoder, SSETooLarge
-from relay.api.http import PIECE_BYTES, UpstreamBody, read_answer, read_error_text, transport_errors
+from relay.api.body import PIECE_BYTES, UpstreamBody, read_answer, read_error_text
+from relay.api.http import transport_errors
 from relay.vocab import redact
 from relay.vocab.errors import MAX_WORDS_BYTES, REASONS, RelayError, bound_text
 

@@ -1,6 +1,6 @@
-"""The upstream client's pool (relay/api/pool.py, `LeanPool`: httpcore's decisions, found
-cheaper; `CorkedStream`: a request's head and body in one write) and its cookie jar
-(none kept).
+"""The upstream client's pool (relay/api/pool.py, `DirectPool`: httpcore's HTTP/1.1
+connections, pooled by relay; `CorkedStream`: a request's head and body in one write)
+and its cookie jar (none kept).
 
 Real sockets: a tiny HTTP/1.1 server on loopback that counts its connections and can
 close a keep-alive connection right after answering (as a server whose keep-alive
@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from relay.api.http import HTTPSettings, make_client
-from relay.api.pool import CorkedBackend, CorkedStream, LeanPool
+from relay.api.pool import CorkedBackend, CorkedStream, DirectPool
 
 BODY = b'{"ok":true}'
 
@@ -82,7 +82,7 @@ async def _get(client, port: int) -> bytes:  # type: ignore[no-untyped-def]
 
 async def test_the_plain_pool_is_lean_and_a_connection_is_reused(server: Server) -> None:
     async with _client(server.port) as client:
-        assert type(client._transport._pool) is LeanPool
+        assert type(client._pool) is DirectPool
         for _ in range(20):
             assert await _get(client, server.port) == BODY
     assert server.connections == 1
@@ -91,7 +91,7 @@ async def test_the_plain_pool_is_lean_and_a_connection_is_reused(server: Server)
 async def test_a_proxy_pool_is_left_alone() -> None:
     client = make_client(HTTPSettings(proxy="http://127.0.0.1:9"))
     async with client:
-        assert type(client._transport._pool) is not LeanPool
+        assert type(client._pool) is not DirectPool
 
 
 async def test_concurrent_requests_stay_within_max_connections(server: Server) -> None:
@@ -103,12 +103,12 @@ async def test_concurrent_requests_stay_within_max_connections(server: Server) -
             with trio.fail_after(5):
                 while server.holding < 2:
                     await trio.sleep(0.005)
-            pool = client._transport._pool
+            pool = client._pool
             with trio.fail_after(5):  # the 3 others wait in the pool for a connection
-                while sum(r.is_queued() for r in pool._requests) < 3:
+                while pool.waiting < 3:
                     await trio.sleep(0.005)
             assert server.connections == 2
-            assert len(pool.connections) == 2
+            assert pool.connections == 2
             server.release.set()
         for _ in range(5):  # then the two connections serve everything
             await _get(client, server.port)
@@ -191,8 +191,30 @@ async def test_a_held_head_that_cannot_be_written() -> None:
 
 async def test_a_post_through_the_corked_pool(server: Server) -> None:
     async with _client(server.port) as client:
-        pool = client._transport._pool
+        pool = client._pool
         assert isinstance(pool._network_backend, CorkedBackend)
         for _ in range(3):
             assert await _get(client, server.port) == BODY
     assert server.connections == 1
+
+
+async def test_a_cancelled_close_still_closes_every_connection(server: Server) -> None:
+    """A relay stopping closes its clients inside a cancelled scope: every pooled
+    connection is closed all the same, not only the first one tried."""
+    server.hold = True
+    client = _client(server.port, max_connections=3)
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(_get, client, server.port)
+        with trio.fail_after(5):
+            while server.holding < 3:
+                await trio.sleep(0.005)
+        server.release.set()
+    assert client._pool.connections == 3
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await client.aclose()
+    with trio.fail_after(5):
+        while server.open:
+            await trio.sleep(0.005)
+    assert client._pool.connections == 0

@@ -25,7 +25,7 @@ SPEC A6. Both answer whole, under the same rules as ``run``: cancellable, `Relay
 on failure. A kind that does not declare them is never asked; the defaults here only
 make a wrong call loud.
 
-This module and `relay.api.http` are the adapter API: with the vocabulary
+This module, `relay.api.http` and `relay.api.body` are the adapter API: with the vocabulary
 (`relay.vocab`), they are all of relay an adapter may import.
 """
 

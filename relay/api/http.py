@@ -1,21 +1,20 @@
-"""The one module that imports httpx: client construction and transport-error mapping.
+"""The one module that imports httpx: the upstream client, and transport-error mapping.
 
 Every upstream client is built here, the same way (notes/trio-stack.md Q3):
 - explicit timeouts: connect and pool bounded, *read unbounded*, because relay's own
   cancel scopes (run timeout, attempt budget, stall limits) own the answer's deadlines;
-- ``trust_env=False``: an ``HTTP_PROXY`` in the environment must not capture loopback
-  traffic; a proxy is used only when the provider names one (``proxy``);
-- no hidden retries (transport retries 0, SPEC F6), no redirects.
+- no proxy from the environment (an ``HTTP_PROXY`` must not capture loopback traffic);
+  a proxy is used only when the provider names one (``proxy``);
+- no hidden retries (transport retries 0, SPEC F6), no redirects, no cookies kept.
 
-Adapters use the client only as ``async with client.stream(...)``: a bare
-``send(stream=True)`` leaks a pool slot.
-
-Bodies are read through `UpstreamBody`, never ``aread()``/``aiter_lines()`` (SPEC O5):
-relay decompresses them itself, in bounded pieces, so a body is measured *after*
-decompression and reading stops at the bound — a 1 MB gzip body that inflates to 1 GB
-never exists in memory (httpx would inflate each network chunk whole). `read_answer`
-refuses a body over ``max_upstream_bytes``; `read_error_text` keeps the head of an error
-body and says how much it read. Only ``gzip`` and ``deflate`` are asked for and decoded.
+`UpstreamClient` sends each request to a connection pool directly — relay's own
+`DirectPool` of httpcore HTTP/1.1 connections, or, for a ``proxy``, the httpcore proxy
+pool httpx builds — without httpx's request and response models around it: relay uses
+none of what they add (auth flows, redirects, cookies, decoding: `relay.api.body`
+decodes). Its failures are mapped to httpx's exceptions (a body's by `transport_errors`
+itself), so `transport_errors` has one tree to map. Adapters use it only as
+``async with client.stream(...)``: leaving the block closes the response, and an
+unfinished one closes its connection (a stop closes the upstream).
 """
 
 from __future__ import annotations
@@ -25,30 +24,25 @@ import functools
 import json
 import socket
 import ssl
-import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
+from types import TracebackType
 from typing import Any
 
 import attrs
+import httpcore
 import httpx
 
-from relay.api.inflate import Inflate
-from relay.api.pool import LeanPool
-from relay.vocab.errors import RelayError, cut_marker
+from relay.api.pool import CorkedBackend, DirectPool
+from relay.vocab.errors import RelayError
 
-__all__ = ["ERROR_BODY_MAX_BYTES", "PIECE_BYTES", "AsyncClient", "HTTPSettings", "Response",
-           "UpstreamBody", "get_json", "make_client", "post_json", "read_answer",
-           "read_error_text", "transport_errors", "upstream_url"]
+__all__ = ["ERROR_BODY_MAX_BYTES", "HTTPSettings", "Response", "UpstreamClient", "get_json",
+           "make_client", "post_json", "transport_errors", "upstream_url"]
 
-PIECE_BYTES = 64 * 1024  # the most a decoded piece of a body holds
 # An error body is read up to this (or max_upstream_bytes, if smaller): relay shows at
 # most 64 KiB of the provider's words (SPEC E1), but a JSON body must be whole to be read
 # and its words may be escaped several times over; no real error body comes near it.
 ERROR_BODY_MAX_BYTES = 1024 * 1024
-
-AsyncClient = httpx.AsyncClient
-Response = httpx.Response
 
 
 @attrs.frozen(kw_only=True)
@@ -62,44 +56,165 @@ class HTTPSettings:
     connect_timeout_s: float = 10.0
 
 
-def make_client(settings: HTTPSettings, *, max_connections: int = 64) -> httpx.AsyncClient:
+def make_client(settings: HTTPSettings, *, max_connections: int = 64) -> UpstreamClient:
     """A client for one provider (one pool, so lanes map to connections)."""
-    transport = httpx.AsyncHTTPTransport(
+    timeouts = {"connect": settings.connect_timeout_s, "read": None, "write": 30.0,
+                "pool": 10.0}
+    if settings.proxy is None:
+        pool: Any = DirectPool(max_connections=max_connections, keepalive_expiry=5.0,
+                               ssl_context=httpx.create_ssl_context,
+                               network_backend=CorkedBackend(httpcore.TrioBackend()))
+        return UpstreamClient(pool, timeouts)
+    transport = httpx.AsyncHTTPTransport(  # httpx builds the proxy's pool (HTTP or SOCKS)
         retries=0, proxy=settings.proxy,
         limits=httpx.Limits(max_connections=max_connections,
                             # All of them: httpcore 1.0.9 counts every pooled
                             # connection, busy or not, against this limit, and
                             # closes idle ones past it (encode/httpcore#1000).
                             max_keepalive_connections=max_connections))
-    LeanPool.install(transport)
-    client = httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=settings.connect_timeout_s, read=None, write=30.0,
-                              pool=10.0),
-        transport=transport,
-        trust_env=False,
-        follow_redirects=False,
-        # What `UpstreamBody` decodes (with brotli or zstandard installed, httpx would
-        # ask for those too).
-        headers={"accept-encoding": "gzip, deflate"},
-    )
-    client._cookies = _NoCookies()  # (the property's setter would copy it into a plain jar)
-    return client
+    return UpstreamClient(transport._pool, timeouts)
 
 
-class _NoCookies(httpx.Cookies):
-    """A jar that keeps nothing: relay sends no upstream's cookies back. One client
-    serves every caller of a provider, so a cookie set in one caller's answer must not
-    ride along on another's request; and reading ``Set-Cookie`` the stdlib way cost
-    ~0.1 ms per request (issue 16's profile)."""
+@attrs.frozen
+class Target:
+    """An upstream URL, parsed once (an adapter's few URLs, reused by every request)."""
 
-    def extract_cookies(self, response: httpx.Response) -> None:
-        pass
+    text: str
+    url: httpcore.URL
+    host: bytes  # the Host header
 
 
 @functools.lru_cache(maxsize=256)
-def upstream_url(url: str) -> httpx.URL:
-    """``url`` parsed once (an adapter's few URLs, reused by every request)."""
-    return httpx.URL(url)
+def upstream_url(url: str) -> Target:
+    """``url`` parsed as httpx parses it (``httpx.InvalidURL`` when it cannot be)."""
+    parsed = httpx.URL(url)
+    return Target(url, httpcore.URL(scheme=parsed.raw_scheme, host=parsed.raw_host,
+                                    port=parsed.port, target=parsed.raw_path), parsed.netloc)
+
+
+# httpcore's exceptions as httpx's, most specific first (httpx's own table, in order).
+_MAPPED: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
+    (httpcore.ConnectTimeout, httpx.ConnectTimeout), (httpcore.ReadTimeout, httpx.ReadTimeout),
+    (httpcore.WriteTimeout, httpx.WriteTimeout), (httpcore.PoolTimeout, httpx.PoolTimeout),
+    (httpcore.TimeoutException, httpx.TimeoutException),
+    (httpcore.ConnectError, httpx.ConnectError), (httpcore.ReadError, httpx.ReadError),
+    (httpcore.WriteError, httpx.WriteError), (httpcore.NetworkError, httpx.NetworkError),
+    (httpcore.ProxyError, httpx.ProxyError),
+    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
+    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
+    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
+    (httpcore.ProtocolError, httpx.ProtocolError))
+_HTTPCORE_ERRORS = tuple(own for own, _ in _MAPPED)
+
+
+@contextmanager
+def _as_httpx(method: str | None = None, target: Target | None = None) -> Iterator[None]:
+    """httpcore's failures as httpx's, naming the request when it is known."""
+    try:
+        yield
+    except _HTTPCORE_ERRORS as exc:
+        mapped = next(theirs for own, theirs in _MAPPED if isinstance(exc, own))
+        request = (httpx.Request(method, target.text)
+                   if method is not None and target is not None else None)
+        raise mapped(str(exc), request=request) from exc
+
+
+def _encoded(value: str) -> bytes:
+    # A value from the client's request came in as latin-1: it goes out as it came.
+    try:
+        return value.encode("latin-1")
+    except UnicodeEncodeError:
+        return value.encode()
+
+
+class Response:
+    """An upstream answer: ``status_code``, ``headers`` (by lower-case name, repeated
+    ones joined with ", "), and its body as ``aiter_raw()`` (undecoded)."""
+
+    __slots__ = ("_method", "_response", "_target", "headers", "status_code")
+
+    def __init__(self, response: httpcore.Response, method: str, target: Target) -> None:
+        self._response = response
+        self._method = method
+        self._target = target
+        self.status_code = response.status
+        headers: dict[str, str] = {}
+        for name, value in response.headers:
+            key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+            headers[key] = f"{headers[key]}, {text}" if key in headers else text
+        self.headers: Mapping[str, str] = headers
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        """httpcore's own iterator (its failures are mapped by `transport_errors`)."""
+        stream = self._response.stream
+        assert isinstance(stream, AsyncIterable)
+        return aiter(stream)
+
+    async def aclose(self) -> None:
+        with _as_httpx(self._method, self._target):
+            await self._response.aclose()
+
+
+class UpstreamClient:
+    """One provider's client: requests straight to its httpcore pool."""
+
+    def __init__(self, pool: httpcore.AsyncConnectionPool, timeouts: dict[str, float | None]
+                 ) -> None:
+        self._pool = pool
+        self._extensions = {"timeout": timeouts}
+
+    def stream(self, method: str, url: str | Target, *, json: Any = None,
+               headers: Mapping[str, str] | None = None) -> _Exchange:
+        """``async with client.stream(...) as response``: the request, its answer open."""
+        target = url if isinstance(url, Target) else upstream_url(url)
+        sent = {"host": target.host, "accept": b"*/*", "accept-encoding": b"gzip, deflate",
+                "connection": b"keep-alive", "user-agent": b"relay"}
+        for name, value in (headers or {}).items():
+            sent[name.lower()] = _encoded(value)
+        content = b""
+        if json is not None:  # as httpx encodes it
+            content = _json_bytes(json).encode()
+            sent["content-type"] = b"application/json"
+            sent["content-length"] = str(len(content)).encode()
+        request = httpcore.Request(method.encode(), target.url,
+                                   headers=[(k.encode(), v) for k, v in sent.items()],
+                                   content=content, extensions=self._extensions)
+        return _Exchange(self._pool, request, method, target)
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
+
+    async def __aenter__(self) -> UpstreamClient:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+
+_json_bytes = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"),
+                                allow_nan=False)
+
+
+class _Exchange:
+    def __init__(self, pool: httpcore.AsyncConnectionPool, request: httpcore.Request,
+                 method: str, target: Target) -> None:
+        self._pool = pool
+        self._request = request
+        self._method = method
+        self._target = target
+        self._response: Response | None = None
+
+    async def __aenter__(self) -> Response:
+        with _as_httpx(self._method, self._target):
+            answer = await self._pool.handle_async_request(self._request)
+        self._response = Response(answer, self._method, self._target)
+        return self._response
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        assert self._response is not None
+        await self._response.aclose()  # closes the connection when the body is unfinished
 
 
 @contextmanager
@@ -118,7 +233,8 @@ def transport_errors(provider: str, what: str = "request", *,
     # long because it is one exhaustive mapping of httpx's exception tree, most specific
     # first, where a test can check that nothing falls through.
     try:
-        yield
+        with _as_httpx():  # a body's failures come from httpcore's own iterator
+            yield
     except httpx.ConnectError as exc:
         said, action = _connect_failure(provider, exc, unreachable)
         raise RelayError("upstream_unavailable",
@@ -245,115 +361,6 @@ def _connect_failure(provider: str, exc: httpx.ConnectError,
             f"check that {where} is up and reachable from this machine (network, VPN, "
             f"firewall), or fix base_url in [providers.{provider}]")
 
-
-class UpstreamBody:
-    """The decoded body of an open httpx response, in pieces of at most `PIECE_BYTES`.
-
-    Transport failures are mapped as `transport_errors` maps them; a body that cannot
-    be decoded, or has an encoding relay did not ask for, is ``bad_upstream_response``.
-    ``read`` counts the decoded bytes handed out so far.
-    """
-
-    def __init__(self, resp: httpx.Response, provider: str, what: str = "answer") -> None:
-        self.provider = provider
-        self.what = what
-        self.read = 0
-        self._raw: AsyncIterator[bytes] = resp.aiter_raw()
-        self._ended = False
-        codings = [c.strip().lower() for c in resp.headers.get("content-encoding", "")
-                   .split(",") if c.strip() and c.strip().lower() != "identity"]
-        if len(codings) > 1 or (codings and codings[0] not in ("gzip", "x-gzip",
-                                                                "deflate")):
-            raise RelayError("bad_upstream_response", f"provider {provider!r} sent its "
-                             f"{what} with content-encoding {', '.join(codings)!r}; relay "
-                             "asks for gzip or deflate only", provider=provider)
-        self._inflate = Inflate(codings[0]) if codings else None
-
-    async def piece(self, most: int = PIECE_BYTES) -> bytes | None:
-        """The next decoded bytes (at most ``most``), or None at the end of the body."""
-        while True:
-            if self._inflate is not None:
-                out = self._take(most)
-                if out:
-                    self.read += len(out)
-                    return out
-            if self._ended:
-                return None
-            with transport_errors(self.provider, self.what):
-                chunk = await anext(self._raw, None)
-            if chunk is None:
-                self._ended = True
-                continue  # whatever zlib still holds comes out first
-            if self._inflate is None:
-                self.read += len(chunk)
-                return chunk
-            self._inflate.feed(chunk)
-
-    def _take(self, most: int) -> bytes:
-        assert self._inflate is not None
-        try:
-            return self._inflate.take(most)
-        except zlib.error as exc:
-            raise RelayError("bad_upstream_response", f"provider {self.provider!r} sent a "
-                             f"{self._inflate.encoding} {self.what} relay cannot decode "
-                             f"({exc})", provider=self.provider) from exc
-
-    async def drain(self) -> None:
-        """Read the rest of the body without decoding it (so the pooled connection can be
-        reused); the caller bounds it in time."""
-        with transport_errors(self.provider, self.what):
-            async for _ in self._raw:
-                pass
-        self._ended = True
-
-
-async def read_answer(resp: httpx.Response, provider: str, limit: int,
-                      what: str = "answer") -> str:
-    """The whole body as text, read through `UpstreamBody`.
-
-    Raises:
-        RelayError: ``bad_upstream_response`` naming ``max_upstream_bytes`` when the
-            body, decompressed, is larger than ``limit`` (reading stops there); the
-            mapped transport failure.
-    """
-    body = UpstreamBody(resp, provider, what)
-    # Pieces in a list, joined once at the end: a growing bytearray may be copied on
-    # realloc, and then two copies of the body exist at once.
-    pieces: list[bytes] = []
-    size = 0
-    while (piece := await body.piece(min(PIECE_BYTES, limit + 1 - size))) is not None:
-        pieces.append(piece)
-        size += len(piece)
-        if size > limit:
-            raise RelayError(
-                "bad_upstream_response",
-                f"provider {provider!r} sent a {what} larger than max_upstream_bytes "
-                f"({limit} bytes, counted after decompression); relay stopped reading it "
-                f"there. Raise [server] max_upstream_bytes if answers this large are "
-                "expected.", provider=provider)
-    data = b"".join(pieces)
-    pieces.clear()
-    return data.decode("utf-8", "replace")
-
-
-async def read_error_text(resp: httpx.Response, provider: str, limit: int) -> str:
-    """An error body as text: whole up to ``limit`` decoded bytes; beyond, its head and
-    ``… [≥ N bytes]`` (N: the bytes read), and the rest is never read.
-
-    A body that breaks off or cannot be decoded keeps what was read (the status already
-    says what went wrong), so this never raises a relay error of its own.
-    """
-    data = bytearray()
-    try:
-        body = UpstreamBody(resp, provider, "error answer")
-        while (piece := await body.piece(min(PIECE_BYTES, limit + 1 - len(data)))) is not None:
-            data += piece
-            if len(data) > limit:
-                head = bytes(data[:limit]).decode("utf-8", "ignore")
-                return head + cut_marker(len(data), at_bound=True)
-    except RelayError:
-        pass
-    return data.decode("utf-8", "replace")
 
 
 def get_json(url: str, *, token: str | None = None, timeout_s: float = 10.0) -> Any:

@@ -1,4 +1,4 @@
-"""Bounded decompression of an upstream body (`relay.api.http.UpstreamBody` uses it)."""
+"""Bounded decompression of an upstream body (`relay.api.body.UpstreamBody` uses it)."""
 
 from __future__ import annotations
 

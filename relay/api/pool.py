@@ -1,89 +1,189 @@
-"""The upstream connection pool: httpcore's, with a cheaper assignment of requests, and
+"""The upstream connection pool: HTTP/1.1 connections of httpcore's, pooled by relay, and
 each request's head and body sent in one write."""
 
 from __future__ import annotations
 
+import ssl
 import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpcore
+import trio
 
-__all__ = ["CorkedBackend", "LeanPool"]
+__all__ = ["CorkedBackend", "CorkedStream", "DirectPool"]
+
+CLOSE_TIMEOUT_S = 1.0  # closing a response touches only the local socket
 
 
-class LeanPool(httpcore.AsyncConnectionPool):
-    """httpcore's pool, assigning requests without re-scanning every connection.
+class DirectPool:
+    """One provider's HTTP/1.1 connections, without httpcore's pool around them.
 
-    httpcore 1.0.9 runs `_assign_requests_to_connections` as each request enters and as
-    each response closes, and every run asks each pooled connection ``has_expired()`` —
-    a ``poll()`` of its socket — and, per idle one, counts the whole pool again: with 32
-    connections that was most of the pool's cost per request (issue 16's profile).
-
-    Same decisions, found cheaper: a connection is checked for expiry (keep-alive
-    timeout, or the server closed it while idle) *before it is reused* — the check that
-    matters — and the whole pool is swept for expired ones at most every `SWEEP_S`
-    seconds (httpcore too closes them only when a request comes or goes). The rest is
-    httpcore's: the oldest available connection first, a new one while under
-    ``max_connections``, else an idle one closed to make room.
+    httpcore 1.0.9's pool re-decides every queued request's connection, under a lock, each
+    time a request comes or a response closes, and wraps each response twice: with 32
+    connections that was a quarter of relay's CPU per request (issue 16's profile). Here
+    a request takes the oldest idle connection to its origin — checked first: one past its
+    keep-alive, or that the server closed while it was idle (a poll of its socket), is
+    closed instead — or opens one; its connection is idle again the moment its response
+    is closed whole, and closed if the body was left unfinished (httpcore's rule: its
+    ``HTTP11Connection`` decides). At most ``max_connections`` are open: a request beyond
+    them closes an idle connection to another origin, or waits for one to be freed, up to
+    the pool timeout (``PoolTimeout``). Idle connections past their keep-alive are swept
+    at most every `SWEEP_S` seconds (httpcore too closes them only as requests come and
+    go). The TLS context is made when the first https connection is (it costs ~40 ms).
     """
 
     SWEEP_S = 1.0
-    _swept_at = -SWEEP_S  # class default: the first run sweeps
 
-    @classmethod
-    def install(cls, transport: Any) -> None:
-        """Make an httpx transport's plain pool (not a proxy's) a `LeanPool`: the same
-        object and settings, only these two methods differ."""
-        if type(transport._pool) is httpcore.AsyncConnectionPool:
-            transport._pool.__class__ = cls
-            transport._pool._network_backend = CorkedBackend(transport._pool._network_backend)
+    def __init__(self, *, max_connections: int, keepalive_expiry: float | None,
+                 ssl_context: Callable[[], ssl.SSLContext],
+                 network_backend: httpcore.AsyncNetworkBackend) -> None:
+        self._max = max_connections
+        self._keepalive_expiry = keepalive_expiry
+        self._make_ssl_context = ssl_context
+        self._ssl_context: ssl.SSLContext | None = None
+        self._network_backend = network_backend
+        # By origin: (scheme, host, port) — httpcore's `Origin` is not hashable.
+        self._idle: dict[tuple[bytes, bytes, int], deque[httpcore.AsyncHTTP11Connection]] = {}
+        self._open: set[httpcore.AsyncHTTP11Connection] = set()
+        self._opening = 0
+        self._freed = trio.lowlevel.ParkingLot()
+        self._swept_at = time.monotonic()
 
-    def _assign_requests_to_connections(self) -> list[httpcore.AsyncConnectionInterface]:
-        closing: list[httpcore.AsyncConnectionInterface] = []
+    @property
+    def connections(self) -> int:
+        """Open (or opening) connections, busy or idle."""
+        return len(self._open) + self._opening
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a connection to be freed."""
+        return self._freed.statistics().tasks_waiting
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        scheme = request.url.scheme
+        if scheme not in (b"http", b"https"):
+            raise httpcore.UnsupportedProtocol(
+                f"Request URL has an unsupported protocol '{scheme.decode()}://'." if scheme
+                else "Request URL is missing an 'http://' or 'https://' protocol.")
+        timeouts = request.extensions.get("timeout", {})
+        connection = await self._connection_for(request.url.origin, timeouts)
+        try:
+            response = await connection.handle_async_request(request)
+        except BaseException:
+            self._settle(connection)  # httpcore closed it, or left it idle (shielded)
+            raise
+        response.stream = _Released(response.stream, self, connection)
+        return response
+
+    async def _connection_for(self, origin: httpcore.Origin, timeouts: dict[str, Any]
+                              ) -> httpcore.AsyncHTTP11Connection:
+        await self._sweep()
+        while True:
+            idle = self._idle.get((origin.scheme, origin.host, origin.port))
+            while idle:
+                connection = idle.popleft()
+                if not connection.has_expired():
+                    return connection
+                await self._close(connection)
+            if self.connections < self._max:
+                return await self._connect(origin, timeouts)
+            other = next((q for q in self._idle.values() if q), None)
+            if other is not None:  # room made for this origin
+                await self._close(other.popleft())
+                continue
+            with trio.move_on_after(timeouts.get("pool") or float("inf")) as waited:
+                await self._freed.park()
+            if waited.cancelled_caught:
+                raise httpcore.PoolTimeout("no connection was freed in time")
+
+    async def _connect(self, origin: httpcore.Origin, timeouts: dict[str, Any]
+                       ) -> httpcore.AsyncHTTP11Connection:
+        self._opening += 1
+        try:
+            host, timeout = origin.host.decode("ascii"), timeouts.get("connect")
+            stream = await self._network_backend.connect_tcp(host, origin.port,
+                                                             timeout=timeout)
+            if origin.scheme == b"https":
+                try:
+                    stream = await stream.start_tls(self._tls(), host, timeout)
+                except BaseException:
+                    await stream.aclose()
+                    raise
+        finally:
+            self._opening -= 1
+            self._freed.unpark()  # a failed connect frees its place
+        connection = httpcore.AsyncHTTP11Connection(origin, stream, self._keepalive_expiry)
+        self._open.add(connection)
+        return connection
+
+    def _tls(self) -> ssl.SSLContext:
+        if self._ssl_context is None:
+            self._ssl_context = self._make_ssl_context()
+            self._ssl_context.set_alpn_protocols(["http/1.1"])
+        return self._ssl_context
+
+    def _settle(self, connection: httpcore.AsyncHTTP11Connection) -> None:
+        """A request is done with ``connection``: idle again, or gone."""
+        if connection.is_idle():
+            origin = connection._origin
+            self._idle.setdefault((origin.scheme, origin.host, origin.port), deque()).append(
+                connection)
+        else:
+            self._open.discard(connection)
+        self._freed.unpark()
+
+    async def _close(self, connection: httpcore.AsyncHTTP11Connection) -> None:
+        self._open.discard(connection)
+        self._freed.unpark()
+        await connection.aclose()  # a trio socket's aclose closes even when cancelled
+
+    async def _sweep(self) -> None:
         now = time.monotonic()
-        sweep = now - self._swept_at >= self.SWEEP_S
-        if sweep:
-            self._swept_at = now
-        kept = []
-        for connection in self._connections:
-            if connection.is_closed():
-                continue
-            if sweep and connection.has_expired():
-                closing.append(connection)
-                continue
-            kept.append(connection)
-        while len(kept) > self._max_keepalive_connections:  # httpcore's rule, as it counts
-            idle = next((c for c in kept if c.is_idle()), None)
-            if idle is None:
-                break
-            kept.remove(idle)
-            closing.append(idle)
-        self._connections = kept
-        for pool_request in self._requests:
-            if pool_request.is_queued():
-                self._assign(pool_request, closing)
-        return closing
+        if now - self._swept_at < self.SWEEP_S:
+            return
+        self._swept_at = now
+        for idle in self._idle.values():
+            for connection in [c for c in idle if c.has_expired()]:
+                idle.remove(connection)
+                await self._close(connection)
 
-    def _assign(self, pool_request: Any, closing: list[httpcore.AsyncConnectionInterface]
-                ) -> None:
-        origin = pool_request.request.url.origin
-        for connection in list(self._connections):
-            if connection.can_handle_request(origin) and connection.is_available():
-                if connection.is_idle() and connection.has_expired():  # before reuse
-                    self._connections.remove(connection)
-                    closing.append(connection)
-                    continue
-                pool_request.assign_to_connection(connection)
-                return
-        if len(self._connections) >= self._max_connections:
-            idle = next((c for c in self._connections if c.is_idle()), None)
-            if idle is None:
-                return  # it waits for a connection
-            self._connections.remove(idle)
-            closing.append(idle)
-        connection = self.create_connection(origin)
-        self._connections.append(connection)
-        pool_request.assign_to_connection(connection)
+    async def aclose(self) -> None:
+        """Close every connection. Shielded (as httpcore's pool closes them): a cancelled
+        close of one must not leave the others open; each touches only a local socket."""
+        self._idle.clear()
+        # (no connection open: nothing to wait for)
+        with trio.CancelScope(shield=True), trio.move_on_after(  # noqa: ASYNC912
+                CLOSE_TIMEOUT_S):
+            for connection in list(self._open):
+                await self._close(connection)
+
+
+class _Released:
+    """A response body whose connection goes back to the pool when it is closed."""
+
+    def __init__(self, stream: Any, pool: DirectPool,
+                 connection: httpcore.AsyncHTTP11Connection) -> None:
+        self._stream = stream
+        self._pool = pool
+        self._connection = connection
+        self._closed = False
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return aiter(self._stream)  # httpcore's own iterator, no layer of ours
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        connection = self._connection
+        # Shielded as httpcore shields it: a half-closed response poisons its connection.
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+            await self._stream.aclose()  # httpcore: idle again, or closed
+            if not connection.is_idle() and not connection.is_closed():
+                await connection.aclose()
+        self._pool._settle(connection)
 
 
 def _is_request_head(data: bytes) -> bool:
