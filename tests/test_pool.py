@@ -139,25 +139,28 @@ async def test_an_upstream_cookie_is_not_sent_back(server: Server) -> None:
     assert b"cookie:" not in server.heads[1]
 
 
-class _Recorded(httpcore.AsyncNetworkStream):
-    """httpcore's side of a connection, recording each write (and failing on request)."""
+class _Recorded(trio.abc.Stream):
+    """The socket side of a connection, recording each write (and failing on request)."""
 
     def __init__(self) -> None:
         self.writes: list[bytes] = []
         self.fail_writes = False
 
-    async def write(self, buffer: bytes,
-                    timeout: float | None = None) -> None:  # noqa: ASYNC109
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await trio.lowlevel.checkpoint()
         if self.fail_writes:
-            raise httpcore.WriteError("the server is gone")
-        self.writes.append(buffer)
+            raise trio.BrokenResourceError("the server is gone")
+        self.writes.append(bytes(data))
 
-    async def read(self, max_bytes: int,
-                   timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
         return b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
 
     async def aclose(self) -> None:
-        pass
+        await trio.lowlevel.checkpoint()
 
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n"

@@ -63,7 +63,7 @@ def make_client(settings: HTTPSettings, *, max_connections: int = 64) -> Upstrea
     if settings.proxy is None:
         pool: Any = DirectPool(max_connections=max_connections, keepalive_expiry=5.0,
                                ssl_context=httpx.create_ssl_context,
-                               network_backend=CorkedBackend(httpcore.TrioBackend()))
+                               network_backend=CorkedBackend())
         return UpstreamClient(pool, timeouts)
     transport = httpx.AsyncHTTPTransport(  # httpx builds the proxy's pool (HTTP or SOCKS)
         retries=0, proxy=settings.proxy,
