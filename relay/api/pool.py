@@ -249,9 +249,9 @@ class CorkedStream(TrioStream):
                 pass  # as httpcore does: the answer (or the EOF) is read next
         try:
             if timeout is None:
-                return await self._stream.receive_some(max_bytes)
+                return bytes(await self._stream.receive_some(max_bytes))  # (no copy of bytes)
             with trio.CancelScope(deadline=trio.current_time() + timeout):
-                return await self._stream.receive_some(max_bytes)
+                return bytes(await self._stream.receive_some(max_bytes))  # (no copy of bytes)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise httpcore.ReadError(exc) from exc
         raise httpcore.ReadTimeout("no data arrived in time")
