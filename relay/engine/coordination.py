@@ -34,6 +34,7 @@ wakes, ``lost_at`` has passed: its holders are cancelled at once, before any ren
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -41,10 +42,7 @@ import secrets
 import urllib.parse
 from typing import Any, Protocol
 
-import anyio
-import coredis
 import trio
-from coredis.retry import NoRetryPolicy
 
 from relay.vocab.errors import ConfigError, RelayError
 
@@ -68,8 +66,21 @@ __all__ = ["Coordinator"]
 
 logger = logging.getLogger(__name__)
 
-# What the client raises when the server is gone or the connection breaks.
-_FOREIGN = (coredis.exceptions.RedisError, OSError, TimeoutError, EOFError,
+
+@functools.cache
+def _coredis() -> Any:
+    """coredis (and anyio under it), imported when a relay first shares a lane: a relay
+    without shared lanes never loads them (they cost ~0.3 s of its start-up)."""
+    import coredis
+    import coredis.retry
+    return coredis
+
+
+@functools.cache
+def _foreign() -> tuple[type[BaseException], ...]:
+    """What the client raises when the server is gone or the connection breaks."""
+    import anyio
+    return (_coredis().exceptions.RedisError, OSError, TimeoutError, EOFError,
             anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream)
 
 DOWN_RETRY_S = 0.25  # while the server is unreachable: how often the renewal retries
@@ -173,7 +184,7 @@ class Coordinator:
             with trio.fail_after(self.command_timeout_s):
                 try:
                     return await self._scripts[script](keys, [str(a) for a in args])
-                except coredis.exceptions.ConnectionError:
+                except _coredis().exceptions.ConnectionError:
                     # A pooled connection the server dropped (it restarted): once more,
                     # on a fresh one, if the server takes connections at all. Every
                     # script is safe to run twice (the member says where it stands).
@@ -183,11 +194,11 @@ class Coordinator:
         except trio.TooSlowError as exc:
             self._down(f"no answer within {self.command_timeout_s:g} s")
             raise self.unavailable(provider) from exc
-        except _FOREIGN as exc:
+        except _foreign() as exc:
             self._down(f"{type(exc).__name__}: {exc}")
             raise self.unavailable(provider) from exc
         except BaseExceptionGroup as group:  # the client's own task groups
-            foreign, rest = group.split(_FOREIGN)
+            foreign, rest = group.split(_foreign())
             if foreign is None or rest is not None:
                 raise  # a stop (trio.Cancelled) or a bug: never swallowed
             self._down(f"{type(foreign.exceptions[0]).__name__}: {foreign.exceptions[0]}")
@@ -217,9 +228,9 @@ class Coordinator:
             ConfigError: at start, a shared provider's lanes, queue_max or rpm differ
                 from those the relays already there agreed on (SPEC L11).
         """
-        client = coredis.Redis.from_url(
+        client = _coredis().Redis.from_url(
             self._url, decode_responses=True, stream_timeout=self.command_timeout_s,
-            connect_timeout=self.command_timeout_s, retry_policy=NoRetryPolicy(),
+            connect_timeout=self.command_timeout_s, retry_policy=_coredis().retry.NoRetryPolicy(),
             client_name=f"relay:{self.instance}")
         async with client, trio.open_nursery() as nursery:
             self._client = client
@@ -321,11 +332,11 @@ class Coordinator:
             try:
                 async with self._client.pubsub(channels=[self.channel],
                                                ignore_subscribe_messages=True,
-                                               retry_policy=NoRetryPolicy()) as ps:
+                                               retry_policy=_coredis().retry.NoRetryPolicy()) as ps:
                     self.subscribed.set()
                     async for message in ps:
                         self._message(str(message.get("data", "")))
-            except* _FOREIGN as group:  # (a stop, trio.Cancelled, passes through)
+            except* _foreign() as group:  # (a stop, trio.Cancelled, passes through)
                 logger.debug("shared lanes: the subscription ended (%r); renewals make up "
                              "for lost wake-ups meanwhile", group.exceptions)
             self.subscribed = trio.Event()
