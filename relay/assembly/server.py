@@ -91,12 +91,17 @@ class BoundedWriteTCPServer(TCPServer):
             await super().protocol_send(event)
             return
         async with self.send_lock:
-            try:
-                # Keep hypercorn's shield (a half-written frame poisons the connection),
-                # but bound it: the deadline is inside the shield.
-                with trio.CancelScope(shield=True), trio.fail_after(self.write_timeout_s):
+            # Keep hypercorn's shield (a half-written frame poisons the connection), but
+            # bound it: the shielded scope has its own deadline (one scope, not a shield
+            # around a `fail_after`: each write pays for the scopes it opens).
+            gone = False
+            with trio.CancelScope(shield=True, deadline=trio.current_time()  # noqa: ASYNC912
+                                  + self.write_timeout_s) as bounded:  # (send_all checkpoints)
+                try:
                     await self.stream.send_all(event.data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    gone = True
+            if gone or bounded.cancelled_caught:  # the client left, or takes nothing
                 await self.stream.aclose()  # closes even when cancelled; wakes the reader
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await self.protocol.handle(Closed())  # → http.disconnect → stop
@@ -226,6 +231,7 @@ async def serve_http(
             accepting.start_soon(partial(trio.serve_listeners, handler, listeners,
                                          handler_nursery=connections))
             task_status.started(Served(relay, urls))
+            accepting.start_soon(relay.app.warm)  # Quart's import, off the loop
             if shutdown is None:
                 await trio.sleep_forever()
             await shutdown.wait()

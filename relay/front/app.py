@@ -3,6 +3,11 @@ each dialect, embeddings, token counts, fan-out), then Quart for the rest (model
 status, health, metrics). Which is which is the table of `relay.front.paths`; a path it
 does not hold gets the 404 that lists the paths relay serves.
 
+Quart (with the Flask and hypercorn-asyncio modules it brings) is a third of relay's
+import time, ~0.2 s: `relay serve` imports it in a worker thread as it starts listening
+(`Front.warm`), so the chat routes answer meanwhile; a Quart route asked for before then
+waits for it (as does the first one of an embedded relay, which imports it then).
+
 The guard is rebuilt whenever the engine's config object changes (a reload), so the
 front never needs to be told.
 """
@@ -10,6 +15,9 @@ front never needs to be told.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
+
+import trio
 
 from relay.engine.engine import Engine
 from relay.vocab.errors import RelayError
@@ -23,7 +31,6 @@ from .guard import Guard
 from .metrics import Metrics
 from .paths import match, not_served
 from .responses import ResponsesChat, serve_stored
-from .routes import make_quart_app
 
 __all__ = ["Front"]
 
@@ -38,8 +45,24 @@ class Front:
 
     def __init__(self, relay: Engine, metrics: Metrics) -> None:
         self.relay = relay
-        self.quart = make_quart_app(relay, metrics)
+        self.metrics = metrics
+        self._quart: Any = None  # the Quart app, once built (`warm`)
         self.guard = Guard(relay, self._route)
+
+    async def warm(self) -> None:
+        """Import Quart's modules in a worker thread, so the event loop goes on serving
+        meanwhile (the server calls this as it starts listening)."""
+        if self._quart is None:
+            await trio.to_thread.run_sync(_import_routes)
+        self._app()
+
+    def _app(self) -> Any:
+        """The Quart app, built the first time it is needed (if `warm` has not run, or is
+        still importing, the import finishes here, on the loop: once)."""
+        if self._quart is None:
+            from .routes import make_quart_app
+            self._quart = make_quart_app(self.relay, self.metrics)
+        return self._quart
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.guard.config is not self.relay.config:  # reloaded: rebuild from it
@@ -73,4 +96,8 @@ class Front:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self.quart(scope, replay, send)  # type: ignore[arg-type]
+        await self._app()(scope, replay, send)
+
+
+def _import_routes() -> None:
+    from . import routes  # noqa: F401 (imported for its side: the modules are loaded)
