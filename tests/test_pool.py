@@ -221,3 +221,22 @@ async def test_a_cancelled_close_still_closes_every_connection(server: Server) -
         while server.open:
             await trio.sleep(0.005)
     assert client._pool.connections == 0
+
+
+async def test_sweeps_and_requests_side_by_side(server: Server) -> None:
+    """A sweep closes expired idle connections while other requests take idle ones: each
+    connection is closed once and given to one request at a time (a sweep that removed
+    them one by one across its awaits failed with ValueError under load)."""
+    async with _client(server.port, max_connections=8) as client:
+        pool = client._pool
+        pool.SWEEP_S = 0.0  # every request sweeps
+        pool._keepalive_expiry = 0.0  # and every idle connection has expired
+
+        async def worker() -> None:
+            for _ in range(15):
+                assert await _get(client, server.port) == BODY
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(16):
+                nursery.start_soon(worker)
+        assert pool.connections <= 8

@@ -145,10 +145,18 @@ class DirectPool:
         if now - self._swept_at < self.SWEEP_S:
             return
         self._swept_at = now
+        # Taken out of the idle lists all at once, before the first close awaits: another
+        # request may take an idle connection meanwhile, or add an origin.
+        expired: list[httpcore.AsyncHTTP11Connection] = []
         for idle in self._idle.values():
-            for connection in [c for c in idle if c.has_expired()]:
-                idle.remove(connection)
-                await self._close(connection)
+            stale = [c for c in idle if c.has_expired()]
+            if stale:
+                expired += stale
+                kept = [c for c in idle if c not in stale]
+                idle.clear()  # in place: a request may hold this very list across an await
+                idle.extend(kept)
+        for connection in expired:
+            await self._close(connection)
 
     async def aclose(self) -> None:
         """Close every connection. Shielded (as httpcore's pool closes them): a cancelled
