@@ -60,13 +60,18 @@ class Server:
             await stream.aclose()
 
 
-@pytest.fixture
-async def server(nursery: trio.Nursery) -> AsyncIterator[Server]:
+async def serve(nursery: trio.Nursery) -> Server:
+    """The server, listening on a free loopback port (also tests/test_pool_races.py's)."""
     srv = Server()
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     srv.port = listeners[0].socket.getsockname()[1]
     await nursery.start(trio.serve_listeners, srv.handle, listeners)
-    yield srv
+    return srv
+
+
+@pytest.fixture
+async def server(nursery: trio.Nursery) -> AsyncIterator[Server]:
+    yield await serve(nursery)
 
 
 def _client(port: int, max_connections: int = 4):  # type: ignore[no-untyped-def]

@@ -174,7 +174,7 @@ class UpstreamClient:
         content = b""
         if json is not None:  # as httpx encodes it
             content = _json_bytes(json).encode()
-            sent["content-type"] = b"application/json"
+            sent.setdefault("content-type", b"application/json")  # a provider's own wins
             sent["content-length"] = str(len(content)).encode()
         request = httpcore.Request(method.encode(), target.url,
                                    headers=[(k.encode(), v) for k, v in sent.items()],

@@ -51,6 +51,7 @@ class DirectPool:
         self._opening = 0
         self._freed = trio.lowlevel.ParkingLot()
         self._swept_at = time.monotonic()
+        self._closed = False
 
     @property
     def connections(self) -> int:
@@ -68,12 +69,23 @@ class DirectPool:
             raise httpcore.UnsupportedProtocol(
                 f"Request URL has an unsupported protocol '{scheme.decode()}://'." if scheme
                 else "Request URL is missing an 'http://' or 'https://' protocol.")
+        if not request.url.host:  # (httpx parsed http://:8080/v1 as a relative URL)
+            raise httpcore.UnsupportedProtocol(
+                "Request URL is missing an 'http://' or 'https://' protocol.")
+        if self._closed:
+            raise RuntimeError("the upstream client has been closed")
         timeouts = request.extensions.get("timeout", {})
         connection = await self._connection_for(request.url.origin, timeouts)
         try:
             response = await connection.handle_async_request(request)
         except BaseException:
-            self._settle(connection)  # httpcore closed it, or left it idle (shielded)
+            # httpcore closed it, or left it idle (shielded) — except a new connection
+            # cancelled before its first request began (httpcore's state lock comes
+            # before its own cleanup): that one is closed here.
+            if not connection.is_idle() and not connection.is_closed():
+                with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+                    await connection.aclose()
+            self._settle(connection)
             raise
         response.stream = _Released(response.stream, self, connection)
         return response
@@ -112,9 +124,11 @@ class DirectPool:
                 except BaseException:
                     await stream.aclose()
                     raise
+        except BaseException:
+            self._freed.unpark()  # a failed connect frees its place
+            raise
         finally:
             self._opening -= 1
-            self._freed.unpark()  # a failed connect frees its place
         connection = httpcore.AsyncHTTP11Connection(origin, stream, self._keepalive_expiry)
         self._open.add(connection)
         return connection
@@ -127,7 +141,7 @@ class DirectPool:
 
     def _settle(self, connection: httpcore.AsyncHTTP11Connection) -> None:
         """A request is done with ``connection``: idle again, or gone."""
-        if connection.is_idle():
+        if connection.is_idle() and not self._closed:
             origin = connection._origin
             self._idle.setdefault((origin.scheme, origin.host, origin.port), deque()).append(
                 connection)
@@ -155,12 +169,21 @@ class DirectPool:
                 kept = [c for c in idle if c not in stale]
                 idle.clear()  # in place: a request may hold this very list across an await
                 idle.extend(kept)
+        # Closed as one: a cancel landing on the first close must not leave the others
+        # counted as open, neither idle nor closed (a slot lost for good).
         for connection in expired:
-            await self._close(connection)
+            self._open.discard(connection)
+        self._freed.unpark_all()
+        with trio.CancelScope(shield=True), trio.move_on_after(  # noqa: ASYNC912
+                CLOSE_TIMEOUT_S):
+            for connection in expired:
+                await connection.aclose()
 
     async def aclose(self) -> None:
         """Close every connection. Shielded (as httpcore's pool closes them): a cancelled
-        close of one must not leave the others open; each touches only a local socket."""
+        close of one must not leave the others open; each touches only a local socket.
+        A request after this is refused (as httpx refuses one on a closed client)."""
+        self._closed = True
         self._idle.clear()
         # (no connection open: nothing to wait for)
         with trio.CancelScope(shield=True), trio.move_on_after(  # noqa: ASYNC912
