@@ -10,6 +10,7 @@ timeout passed does), and relay's own client, `make_client`.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpcore
 import pytest
@@ -72,6 +73,20 @@ async def serve(nursery: trio.Nursery) -> Server:
 @pytest.fixture
 async def server(nursery: trio.Nursery) -> AsyncIterator[Server]:
     yield await serve(nursery)
+
+
+async def idle_connections(client: Any, server: Server, n: int) -> None:
+    """``n`` requests held by the server at once, then answered: ``n`` idle connections
+    (also tests/test_pool_races.py's)."""
+    server.hold, server.holding, server.release = True, 0, trio.Event()
+    async with trio.open_nursery() as nursery:
+        for _ in range(n):
+            nursery.start_soon(_get, client, server.port)
+        with trio.fail_after(5):
+            while server.holding < n:
+                await trio.sleep(0.005)
+        server.release.set()
+    server.hold = False
 
 
 def _client(port: int, max_connections: int = 4):  # type: ignore[no-untyped-def]
@@ -209,15 +224,8 @@ async def test_a_post_through_the_corked_pool(server: Server) -> None:
 async def test_a_cancelled_close_still_closes_every_connection(server: Server) -> None:
     """A relay stopping closes its clients inside a cancelled scope: every pooled
     connection is closed all the same, not only the first one tried."""
-    server.hold = True
     client = _client(server.port, max_connections=3)
-    async with trio.open_nursery() as nursery:
-        for _ in range(3):
-            nursery.start_soon(_get, client, server.port)
-        with trio.fail_after(5):
-            while server.holding < 3:
-                await trio.sleep(0.005)
-        server.release.set()
+    await idle_connections(client, server, 3)
     assert client._pool.connections == 3
     with trio.CancelScope() as scope:
         scope.cancel()

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from test_pool import BODY, Server, _client, _get, serve
+from test_pool import BODY, Server, _client, _get, idle_connections, serve
 
 from relay.api.http import HTTPSettings, UpstreamClient, make_client, transport_errors
 from relay.api.pool import CorkedBackend, DirectPool
@@ -25,24 +25,12 @@ async def server(nursery: trio.Nursery) -> Server:
     return await serve(nursery)
 
 
-async def _two_idle(client: Any, server: Server) -> None:
-    server.hold = True
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_get, client, server.port)
-        nursery.start_soon(_get, client, server.port)
-        with trio.fail_after(5):
-            while server.holding < 2:
-                await trio.sleep(0.005)
-        server.release.set()
-    server.hold = False
-
-
 async def test_a_request_cancelled_while_the_sweep_closes_loses_no_slot(
         server: Server) -> None:
     client = _client(server.port, max_connections=2)
     async with client:
         pool = client._pool
-        await _two_idle(client, server)
+        await idle_connections(client, server, 2)
         assert pool.connections == 2
         for idle in pool._idle.values():  # both past their keep-alive, a sweep due
             for connection in idle:
@@ -54,7 +42,7 @@ async def test_a_request_cancelled_while_the_sweep_closes_loses_no_slot(
         assert pool.connections == 0
         # and two requests at once get their two connections (no slot held by a ghost)
         client._extensions["timeout"]["pool"] = 2.0
-        await _two_idle(client, server)
+        await idle_connections(client, server, 2)
         assert pool.connections == 2
 
 
