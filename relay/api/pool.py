@@ -45,7 +45,7 @@ class DirectPool:
         self._make_ssl_context = ssl_context
         self._ssl_context: ssl.SSLContext | None = None
         self._network_backend = network_backend
-        # By origin: (scheme, host, port) — httpcore's `Origin` is not hashable.
+        # By origin (`_key`).
         self._idle: dict[tuple[bytes, bytes, int], deque[httpcore.AsyncHTTP11Connection]] = {}
         self._open: set[httpcore.AsyncHTTP11Connection] = set()
         self._opening = 0
@@ -79,13 +79,7 @@ class DirectPool:
         try:
             response = await connection.handle_async_request(request)
         except BaseException:
-            # httpcore closed it, or left it idle (shielded) — except a new connection
-            # cancelled before its first request began (httpcore's state lock comes
-            # before its own cleanup): that one is closed here.
-            if not connection.is_idle() and not connection.is_closed():
-                with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
-                    await connection.aclose()
-            self._settle(connection)
+            await self._release(connection)  # httpcore closed it or left it idle, mostly
             raise
         response.stream = _Released(response.stream, self, connection)
         return response
@@ -94,7 +88,7 @@ class DirectPool:
                               ) -> httpcore.AsyncHTTP11Connection:
         await self._sweep()
         while True:
-            idle = self._idle.get((origin.scheme, origin.host, origin.port))
+            idle = self._idle.get(_key(origin))
             while idle:
                 connection = idle.popleft()
                 if not connection.has_expired():
@@ -139,12 +133,15 @@ class DirectPool:
             self._ssl_context.set_alpn_protocols(["http/1.1"])
         return self._ssl_context
 
-    def _settle(self, connection: httpcore.AsyncHTTP11Connection) -> None:
-        """A request is done with ``connection``: idle again, or gone."""
+    async def _release(self, connection: httpcore.AsyncHTTP11Connection) -> None:
+        """A request is done with ``connection``: idle again, or closed and gone. One
+        httpcore left neither — a new connection cancelled before its first request
+        began (httpcore's state lock comes before its own cleanup) — is closed here."""
+        if not connection.is_idle() and not connection.is_closed():
+            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+                await connection.aclose()
         if connection.is_idle() and not self._closed:
-            origin = connection._origin
-            self._idle.setdefault((origin.scheme, origin.host, origin.port), deque()).append(
-                connection)
+            self._idle.setdefault(_key(connection._origin), deque()).append(connection)
         else:
             self._open.discard(connection)
         self._freed.unpark()
@@ -209,13 +206,15 @@ class _Released:
         if self._closed:
             return
         self._closed = True
-        connection = self._connection
         # Shielded as httpcore shields it: a half-closed response poisons its connection.
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
             await self._stream.aclose()  # httpcore: idle again, or closed
-            if not connection.is_idle() and not connection.is_closed():
-                await connection.aclose()
-        self._pool._settle(connection)
+        await self._pool._release(self._connection)
+
+
+def _key(origin: httpcore.Origin) -> tuple[bytes, bytes, int]:
+    """An origin as a dict key (httpcore's `Origin` is not hashable)."""
+    return origin.scheme, origin.host, origin.port
 
 
 def _is_request_head(data: bytes) -> bool:
