@@ -107,15 +107,27 @@ _MAPPED: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
 _HTTPCORE_ERRORS = tuple(own for own, _ in _MAPPED)
 
 
-@contextmanager
-def _as_httpx(method: str | None = None, target: Target | None = None) -> Iterator[None]:
-    """httpcore's failures as httpx's, naming the request when it is known."""
-    try:
-        yield
-    except _HTTPCORE_ERRORS as exc:
+class _as_httpx:  # (named as a function: it is used as ``with _as_httpx(...)``)
+    """httpcore's failures as httpx's, naming the request when it is known. A class, not
+    a generator context manager: `transport_errors` enters one for every piece of every
+    body it reads."""
+
+    __slots__ = ("_method", "_target")
+
+    def __init__(self, method: str | None = None, target: Target | None = None) -> None:
+        self._method = method
+        self._target = target
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is None or not isinstance(exc, _HTTPCORE_ERRORS):
+            return  # (a stop, trio.Cancelled, passes through)
         mapped = next(theirs for own, theirs in _MAPPED if isinstance(exc, own))
-        request = (httpx.Request(method, target.text)
-                   if method is not None and target is not None else None)
+        request = (httpx.Request(self._method, self._target.text)
+                   if self._method is not None and self._target is not None else None)
         raise mapped(str(exc), request=request) from exc
 
 
