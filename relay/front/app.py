@@ -53,15 +53,14 @@ class Front:
         """Import Quart's modules in a worker thread, so the event loop goes on serving
         meanwhile (the server calls this as it starts listening)."""
         if self._quart is None:
-            await trio.to_thread.run_sync(_import_routes)
+            await trio.to_thread.run_sync(_make_quart_app)
         self._app()
 
     def _app(self) -> Any:
         """The Quart app, built the first time it is needed (if `warm` has not run, or is
         still importing, the import finishes here, on the loop: once)."""
         if self._quart is None:
-            from .routes import make_quart_app
-            self._quart = make_quart_app(self.relay, self.metrics)
+            self._quart = _make_quart_app()(self.relay, self.metrics)
         return self._quart
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -99,5 +98,8 @@ class Front:
         await self._app()(scope, replay, send)
 
 
-def _import_routes() -> None:
-    from . import routes  # noqa: F401 (imported for its side: the modules are loaded)
+def _make_quart_app() -> Callable[[Engine, Metrics], Any]:
+    """`relay.front.routes.make_quart_app`, its module imported the first time it is
+    asked for (the one place it is: Quart comes with it)."""
+    from .routes import make_quart_app
+    return make_quart_app
