@@ -32,6 +32,14 @@ async def post(client: httpx.AsyncClient, url: str, model: str,
             out.append(r)
 
 
+async def _kill(child: Any) -> None:
+    """The ``relay serve`` child killed and reaped; shielded and bounded (it runs in a
+    ``finally``, maybe under a cancel)."""
+    with contextlib.suppress(ProcessLookupError):
+        child.proc.kill()
+    with trio.CancelScope(shield=True), trio.move_on_after(10):
+        await child.proc.wait()
+
 async def test_kill_9_of_a_relay_holding_slots_gives_them_back_within_the_lease(
         tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
         client: httpx.AsyncClient) -> None:
@@ -58,9 +66,7 @@ async def test_kill_9_of_a_relay_holding_slots_gives_them_back_within_the_lease(
             print(f"slot back {trio.current_time() - killed_at:.2f} s after kill -9")
             nursery.cancel_scope.cancel()
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            child.proc.kill()
-        await child.proc.wait()
+        await _kill(child)
 
 
 async def test_a_profile_mismatch_stops_the_second_relay_at_start_with_exit_2(
@@ -209,9 +215,7 @@ async def test_a_relay_paused_longer_than_its_lease_over_admits_until_it_wakes(
             await upstream.wait_until(lambda: upstream.active_responses() == 1)
             nursery.cancel_scope.cancel()
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            child.proc.kill()
-        await child.proc.wait()
+        await _kill(child)
 
 
 async def test_a_waiter_that_left_while_the_server_was_stopped_does_not_block_the_queue(
