@@ -19,7 +19,13 @@ import trio
 from upstream import FakeUpstream, serve_fake_upstream
 
 import relay
+import relay.front.routes  # (see below)
 from relay import Served, parse_config
+
+# Quart's routes are imported once for the whole session, not by a relay's first Quart
+# route (which imports them in a worker thread, and virtual time runs on while a thread
+# works: a test on `autojump_clock` would see seconds pass). tests/test_paths.py checks
+# the import-at-first-route path in a clean interpreter.
 
 
 @pytest.fixture(autouse=True)

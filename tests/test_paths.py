@@ -6,7 +6,9 @@ recorded. The table those paths come from is the one both routers use.
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -155,9 +157,74 @@ def test_one_table_routes_both_the_raw_routes_and_quart() -> None:
              for r in quart.url_map.iter_rules() if r.endpoint != "static"}
     table = {(e.rule, frozenset(e.methods)) for e in SERVED if e.kind == "quart"}
     assert rules == table  # Quart serves exactly the table's quart entries
+    from relay.front.info import _ANSWERS
+    assert set(_ANSWERS) == {e.rule for e in SERVED if e.kind == "info"}
     kinds = {e.kind for e in SERVED if e.relay_route}
     # Every relay route has its handler (stored responses are answered by serve_stored).
     assert kinds == {*front_app._HANDLERS, "stored"}
     assert match("/v1/models/a/b/c") is not None and match("/v1/models/") is None
     assert match("/relay/v1/providers/x/check") is not None
     assert match("/relay/v1/providers/x/y/check") is None
+
+
+# Run in a clean interpreter: the test process has imported Quart long before.
+POLLED_WITHOUT_QUART = """
+import functools, json, sys
+import httpx, trio, relay
+
+async def main(path):
+    out = {}
+    async with trio.open_nursery() as nursery:
+        served = await nursery.start(functools.partial(
+            relay.serve, relay.load_config(path), port=0))
+        async with httpx.AsyncClient(base_url=served.url, trust_env=False) as http:
+            chat = {"model": "fake/echo", "messages": [{"role": "user", "content": "hi"}]}
+            asked = [("GET", "/healthz", None), ("HEAD", "/healthz", None),
+                     ("GET", "/v1/models", None), ("GET", "/v1/models/fake%2Fecho", None),
+                     ("GET", "/relay/v1/status", None), ("POST", "/healthz", {}),
+                     ("POST", "/v1/chat/completions", chat)]
+            for method, url, body in asked:
+                r = await http.request(method, url, json=body)
+                out[method + " " + url] = [r.status_code, r.text,
+                                           r.headers.get("content-length")]
+            out["quart before the page"] = "quart" in sys.modules
+            got = []
+
+            async def ask(url):
+                got.append((url, (await http.get(url)).status_code))
+
+            async with trio.open_nursery() as first:  # Quart's first routes, together
+                for url in ("/", "/", "/metrics", "/relay/v1/requests"):
+                    first.start_soon(ask, url)
+            out["first quart routes"] = sorted(got)
+            out["quart after the page"] = "quart" in sys.modules
+        nursery.cancel_scope.cancel()
+    print(json.dumps(out))
+
+trio.run(main, sys.argv[1])
+"""
+
+
+async def test_the_polled_routes_answer_without_quart_which_comes_with_the_page(
+        tmp_path: Path) -> None:
+    (tmp_path / "relay.toml").write_text(with_upstream_less())
+    done = await trio.run_process([sys.executable, "-c", POLLED_WITHOUT_QUART,
+                                   str(tmp_path / "relay.toml")], cwd=tmp_path,
+                                  capture_stdout=True, capture_stderr=True, check=False)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    out = json.loads(done.stdout)
+    status, body, length = out["GET /healthz"]
+    assert (status, json.loads(body)) == (200, {"status": "ok"})
+    assert out["HEAD /healthz"] == [200, "", length]  # the same head, no body
+    assert [e["id"] for e in json.loads(out["GET /v1/models"][1])["data"]] == ["fake/echo"]
+    assert json.loads(out["GET /v1/models/fake%2Fecho"][1])["owned_by"] == "fake"
+    assert out["GET /relay/v1/status"][0] == 200
+    assert "fake" in json.loads(out["GET /relay/v1/status"][1])["providers"]
+    status, body, _ = out["POST /healthz"]
+    assert status == 405
+    assert json.loads(body)["error"]["relay"]["reason"] == "invalid_request"
+    assert out["POST /v1/chat/completions"][0] == 200
+    assert out["quart before the page"] is False
+    assert out["first quart routes"] == [["/", 200], ["/", 200], ["/metrics", 200],
+                                         ["/relay/v1/requests", 200]]
+    assert out["quart after the page"] is True

@@ -231,7 +231,6 @@ async def serve_http(
             accepting.start_soon(partial(trio.serve_listeners, handler, listeners,
                                          handler_nursery=connections))
             task_status.started(Served(relay, urls))
-            accepting.start_soon(relay.app.warm)  # Quart's import, off the loop
             if shutdown is None:
                 await trio.sleep_forever()
             await shutdown.wait()

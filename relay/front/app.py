@@ -1,12 +1,14 @@
 """The HTTP front of one relay: the guard, then the relay routes in raw ASGI (chat in
-each dialect, embeddings, token counts, fan-out), then Quart for the rest (models,
-status, health, metrics). Which is which is the table of `relay.front.paths`; a path it
-does not hold gets the 404 that lists the paths relay serves.
+each dialect, embeddings, token counts, fan-out), the routes programs poll in raw ASGI
+too (health, models, status: `relay.front.info`), then Quart for the rest (the status
+page, recent requests, metrics, checks, reload). Which is which is the table of
+`relay.front.paths`; a path it does not hold gets the 404 that lists the paths relay
+serves.
 
-Quart (with the Flask and hypercorn-asyncio modules it brings) is a third of relay's
-import time, ~0.2 s: `relay serve` imports it in a worker thread as it starts listening
-(`Front.warm`), so the chat routes answer meanwhile; a Quart route asked for before then
-waits for it (as does the first one of an embedded relay, which imports it then).
+Quart (with the Flask and hypercorn-asyncio modules it brings) is ~10 MB of relay's
+memory and a third of its import time, ~0.2 s: it is imported the first time one of its
+routes is asked for, in a worker thread, so the event loop goes on serving meanwhile; a
+relay nobody opens the status page of never imports it.
 
 The guard is rebuilt whenever the engine's config object changes (a reload), so the
 front never needs to be told.
@@ -14,6 +16,7 @@ front never needs to be told.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +31,7 @@ from .endpoints import CountTokens, Embed
 from .exchange import Exchange, Handler
 from .fanout import Fanout
 from .guard import Guard
+from .info import serve_info
 from .metrics import Metrics
 from .paths import match, not_served
 from .responses import ResponsesChat, serve_stored
@@ -46,21 +50,21 @@ class Front:
     def __init__(self, relay: Engine, metrics: Metrics) -> None:
         self.relay = relay
         self.metrics = metrics
-        self._quart: Any = None  # the Quart app, once built (`warm`)
+        self._quart: Any = None  # the Quart app, once built (`_app`)
+        self._importing = trio.Lock()
         self.guard = Guard(relay, self._route)
 
-    async def warm(self) -> None:
-        """Import Quart's modules in a worker thread, so the event loop goes on serving
-        meanwhile (the server calls this as it starts listening)."""
+    async def _app(self) -> Any:
+        """The Quart app, built the first time a Quart route is asked for: its modules
+        imported in a worker thread, once, while the loop goes on serving (unless they
+        are imported already: another relay in this process, or a test on virtual time
+        that imports them so that no virtual time passes meanwhile)."""
         if self._quart is None:
-            await trio.to_thread.run_sync(_make_quart_app)
-        self._app()
-
-    def _app(self) -> Any:
-        """The Quart app, built the first time it is needed (if `warm` has not run, or is
-        still importing, the import finishes here, on the loop: once)."""
-        if self._quart is None:
-            self._quart = _make_quart_app()(self.relay, self.metrics)
+            async with self._importing:
+                if self._quart is None:
+                    make = (_make_quart_app() if _ROUTES in sys.modules
+                            else await trio.to_thread.run_sync(_make_quart_app))
+                    self._quart = make(self.relay, self.metrics)
         return self._quart
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -75,6 +79,9 @@ class Front:
             return
         if served.kind == "stored":  # stored responses (SPEC A7)
             await serve_stored(self.relay, scope, send)
+            return
+        if served.kind == "info":
+            await serve_info(self.relay, scope, send, served)
             return
         if served.dialect is not None:  # a relay route, in raw ASGI
             if scope["method"] not in served.methods:
@@ -95,7 +102,10 @@ class Front:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        await self._app()(scope, replay, send)
+        await (await self._app())(scope, replay, send)
+
+
+_ROUTES = f"{__package__}.routes"
 
 
 def _make_quart_app() -> Callable[[Engine, Metrics], Any]:

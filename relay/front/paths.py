@@ -5,8 +5,9 @@ lists it (SPEC 9).
 Each entry is a path in werkzeug's rule syntax (``<name>`` one segment, ``<path:name>``
 one or more — a model id may hold ``/``, SPEC A1), its methods, and its kind: a relay
 route served in raw ASGI (``chat`` in the dialect `RELAY_ROUTES` gives it,
-``embeddings``, ``count_tokens``, ``fanout``), or ``quart`` (relay's own JSON routes and
-pages, `relay.front.routes`). A request's path is matched once its percent-escapes are
+``embeddings``, ``count_tokens``, ``fanout``), ``info`` (the JSON routes programs poll,
+in raw ASGI too: `relay.front.info`), or ``quart`` (the status page and relay's other own
+routes, `relay.front.routes`). A request's path is matched once its percent-escapes are
 decoded (the ASGI ``path``), so ``/v1/models/fake%2Fecho`` is ``/v1/models/fake/echo``.
 
 A path no entry holds is answered here: 404 with the list, in Anthropic's shape under
@@ -44,7 +45,7 @@ _PARAM = re.compile(r"<(?:(\w+):)?(\w+)>")
 class Served:
     rule: str                  # werkzeug's syntax: "/v1/models/<path:model>"
     methods: tuple[str, ...]
-    kind: str  # chat | responses | stored | embeddings | count_tokens | fanout | quart
+    kind: str  # chat | responses | stored | embeddings | count_tokens | fanout | info | quart
     dialect: Dialect | None = None  # a relay route's: its bodies and its errors
     pattern: re.Pattern[str] = attrs.field(init=False, eq=False, repr=False)
 
@@ -66,7 +67,8 @@ class Served:
 
     @property
     def relay_route(self) -> bool:
-        return self.kind != "quart"
+        """Whether it is a relay route (each request of one ends in one record)."""
+        return self.kind not in ("info", "quart")
 
 
 SERVED: tuple[Served, ...] = (
@@ -75,15 +77,15 @@ SERVED: tuple[Served, ...] = (
     Served("/v1/responses/<path:response>", ("GET", "DELETE"), "stored", OPENAI),
     Served("/v1/messages/count_tokens", ("POST",), "count_tokens", ANTHROPIC),
     Served("/v1/embeddings", ("POST",), "embeddings", OPENAI),
-    Served("/v1/models", ("GET",), "quart"),
-    Served("/v1/models/<path:model>", ("GET",), "quart"),
+    Served("/v1/models", ("GET",), "info"),
+    Served("/v1/models/<path:model>", ("GET",), "info"),
     Served("/relay/v1/fanout", ("POST",), "fanout", OPENAI),
-    Served("/relay/v1/status", ("GET",), "quart"),
+    Served("/relay/v1/status", ("GET",), "info"),
     Served("/relay/v1/requests", ("GET",), "quart"),
     Served("/relay/v1/providers/<name>/check", ("POST",), "quart"),
     Served("/relay/v1/reload", ("POST",), "quart"),
     Served("/metrics", ("GET",), "quart"),
-    Served("/healthz", ("GET",), "quart"),
+    Served("/healthz", ("GET",), "info"),
     Served("/", ("GET",), "quart"),
 )
 

@@ -1,8 +1,11 @@
-"""The plain JSON routes, served by Quart: models, status, health, metrics, the status page.
+"""The routes Quart serves: the status page, the recent requests, metrics, checks and
+reload.
 
 Each is registered from its entry in the table of `relay.front.paths` (``@route(path)``
 takes the entry's rule and methods, and a path the table does not hold fails here, at
-start-up), so the paths relay routes by and the paths its 404 lists are one list.
+start-up), so the paths relay routes by and the paths its 404 lists are one list. The
+routes programs poll (health, models, status) are raw ASGI (`relay.front.info`), so
+Quart is imported only when one of these is first asked for (`relay.front.app`).
 
 Quart's own 60 s response and body timeouts are off (notes/trio-stack.md: they cut long
 responses silently); relay owns its deadlines. Every error here is an E1 body too.
@@ -14,7 +17,6 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -44,10 +46,6 @@ def _json(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
-def _model(ident: str, owner: str) -> dict[str, Any]:
-    return {"id": ident, "object": "model", "created": 0, "owned_by": owner}
-
-
 def make_quart_app(relay: Engine, metrics_: Metrics) -> QuartTrio:
     # long because it is the table of the plain routes, each a few lines, closed over the
     # relay they serve.
@@ -59,52 +57,6 @@ def make_quart_app(relay: Engine, metrics_: Metrics) -> QuartTrio:
 
     def route(rule: str) -> Callable[[_View], _View]:
         return app.route(rule, methods=list(table[rule].methods))
-
-    async def refresh_models() -> None:
-        async with trio.open_nursery() as nursery:
-            for provider in relay.providers.values():
-                nursery.start_soon(provider.refresh_models)
-
-    @route("/healthz")
-    async def healthz() -> Response:
-        status = "draining" if relay.draining else "ok"
-        return Response(_json({"status": status}), content_type="application/json")
-
-    @route("/v1/models")
-    async def models() -> Response:
-        await refresh_models()
-        data = [_model(name, "relay") for name in relay.config.routes]
-        data += [_model(ident, ident.partition("/")[0]) for ident in relay.model_ids()]
-        return Response(_json({"object": "list", "data": data}),
-                        content_type="application/json")
-
-    @route("/v1/models/<path:model>")
-    async def model(model: str) -> Response:
-        """One entry of ``/v1/models`` (SPEC A1, A8): a route name, ``PROVIDER/MODEL``
-        (the model may hold ``/``), or a bare model exactly one provider lists."""
-        await refresh_models()
-        if model in relay.config.routes:
-            return Response(_json(_model(model, "relay")), content_type="application/json")
-        if model in relay.model_ids():
-            return Response(_json(_model(model, model.partition("/")[0])),
-                            content_type="application/json")
-        owners = [p.name for p in relay.providers.values() if model in p.models]
-        if len(owners) == 1:
-            return Response(_json(_model(model, owners[0])), content_type="application/json")
-        if owners:
-            names = ", ".join(f"{owner}/{model}" for owner in owners)
-            words = f"is offered by several providers; name one of: {names}"
-        else:
-            words = (f"is not known. Known models: "
-                     f"{', '.join(relay.known_names()) or '(none discovered yet)'}")
-        return _error(RelayError("unknown_model", f"model {model!r} {words}", param="model"))
-
-    @route("/relay/v1/status")
-    async def status() -> Response:
-        body = {"providers": {name: p.status(relay.clock)
-                              for name, p in relay.providers.items()},
-                "draining": relay.draining}
-        return Response(_json(body), content_type="application/json")
 
     @route("/")
     async def status_page() -> Response:

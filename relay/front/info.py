@@ -1,0 +1,107 @@
+"""The routes that programs poll, in raw ASGI: ``/healthz``, ``/v1/models``,
+``/v1/models/{model}`` and ``/relay/v1/status``.
+
+A client lists the models as it starts, a service monitor asks for health, the status
+page polls the status: these answer without Quart, so a relay whose status page (and
+other routes of `relay.front.routes`) nobody opens never imports it (~10 MB and 0.2 s).
+Each is a GET (HEAD answers the same head without the body), never recorded: only the
+relay routes are (DESIGN invariant 5).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from relay.engine.engine import Engine
+from relay.vocab.errors import RelayError
+
+from .asgi import Message, Scope, Send, send_error, send_json
+from .paths import Served
+
+__all__ = ["serve_info"]
+
+logger = logging.getLogger(__name__)
+
+
+def _entry(ident: str, owner: str) -> dict[str, Any]:
+    return {"id": ident, "object": "model", "created": 0, "owned_by": owner}
+
+
+async def serve_info(relay: Engine, scope: Scope, send: Send, served: Served) -> None:
+    method = scope["method"]
+    if method not in ("GET", "HEAD"):
+        await send_error(send, RelayError("invalid_request", f"use GET for "
+                                          f"{served.shown}", status=405))
+        return
+    if method == "HEAD":
+        send = _without_body(send)
+    found = served.pattern.match(scope["path"])
+    assert found is not None  # the front matched it
+    try:
+        answer = await _ANSWERS[served.rule](relay, **found.groupdict())
+    except Exception as exc:  # a bug: still an E1 body, never a bare 500
+        logger.error("%s crashed", scope["path"], exc_info=exc)
+        answer = RelayError("internal_error", f"relay failed unexpectedly "
+                            f"({type(exc).__name__}); see its log")
+    if isinstance(answer, RelayError):
+        await send_error(send, answer)
+    else:
+        await send_json(send, 200, answer)
+
+
+def _without_body(send: Send) -> Send:
+    async def send_head(message: Message) -> None:
+        await send({**message, "body": b""} if message["type"] == "http.response.body"
+                   else message)
+    return send_head
+
+
+async def _healthz(relay: Engine) -> dict[str, Any]:
+    return {"status": "draining" if relay.draining else "ok"}
+
+
+async def _refresh_models(relay: Engine) -> None:
+    async with trio.open_nursery() as nursery:
+        for provider in relay.providers.values():
+            nursery.start_soon(provider.refresh_models)
+
+
+async def _models(relay: Engine) -> dict[str, Any]:
+    await _refresh_models(relay)
+    data = [_entry(name, "relay") for name in relay.config.routes]
+    data += [_entry(ident, ident.partition("/")[0]) for ident in relay.model_ids()]
+    return {"object": "list", "data": data}
+
+
+async def _model(relay: Engine, model: str) -> dict[str, Any] | RelayError:
+    """One entry of ``/v1/models`` (SPEC A1, A8): a route name, ``PROVIDER/MODEL`` (the
+    model may hold ``/``), or a bare model exactly one provider lists."""
+    await _refresh_models(relay)
+    if model in relay.config.routes:
+        return _entry(model, "relay")
+    if model in relay.model_ids():
+        return _entry(model, model.partition("/")[0])
+    owners = [p.name for p in relay.providers.values() if model in p.models]
+    if len(owners) == 1:
+        return _entry(model, owners[0])
+    if owners:
+        names = ", ".join(f"{owner}/{model}" for owner in owners)
+        words = f"is offered by several providers; name one of: {names}"
+    else:
+        words = (f"is not known. Known models: "
+                 f"{', '.join(relay.known_names()) or '(none discovered yet)'}")
+    return RelayError("unknown_model", f"model {model!r} {words}", param="model")
+
+
+async def _status(relay: Engine) -> dict[str, Any]:
+    return {"providers": {name: p.status(relay.clock) for name, p in relay.providers.items()},
+            "draining": relay.draining}
+
+
+_ANSWERS: dict[str, Callable[..., Awaitable[dict[str, Any] | RelayError]]] = {
+    "/healthz": _healthz, "/v1/models": _models, "/v1/models/<path:model>": _model,
+    "/relay/v1/status": _status}
