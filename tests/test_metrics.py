@@ -146,3 +146,45 @@ async def test_each_relay_has_its_own_registry(tmp_path: Path) -> None:
     # Nothing went into prometheus_client's process-wide default registry.
     assert prometheus_client.REGISTRY.get_sample_value("relay_lane_running",
                                                        {"provider": "fake"}) is None
+
+
+def test_relay_counts_as_prometheus_client_would() -> None:
+    """relay counts itself and hands the counts to prometheus_client at a scrape: the
+    samples are the ones prometheus_client's own Counter and Histogram give for the same
+    records (a value on a bucket's bound is in that bucket)."""
+    from relay.front.metrics import QUEUE_BUCKETS, RUN_BUCKETS, Metrics
+    from relay.vocab.records import Record
+
+    class NoProviders:
+        providers: dict[str, Any] = {}
+        in_flight: tuple[()] = ()
+        draining = False
+
+    ours = Metrics(NoProviders())  # type: ignore[arg-type]
+    theirs = prometheus_client.CollectorRegistry()
+    requests = prometheus_client.Counter("relay_requests", "", ["provider", "status",
+                                                                "reason"], registry=theirs)
+    queue = prometheus_client.Histogram("relay_queue_seconds", "", ["provider"],
+                                        buckets=QUEUE_BUCKETS, registry=theirs)
+    run = prometheus_client.Histogram("relay_run_seconds", "", ["provider"],
+                                      buckets=RUN_BUCKETS, registry=theirs)
+    cases = [("a", 200, None, 5.0, 250.0), ("a", 200, None, 0.0, 0.25 * 1000),
+             ("b", 502, "upstream_error", 100.0, 1200_000.0), ("a", 200, None, 7.5, 1e7)]
+    for provider, status, reason, queue_ms, run_ms in cases:
+        ours.observe(Record(id="r", started_at=0.0, endpoint="/v1/chat/completions",
+                            status=status, reason=reason, provider=provider,
+                            queue_ms=queue_ms, run_ms=run_ms))
+        requests.labels(provider, str(status), reason or "ok").inc()
+        queue.labels(provider).observe(queue_ms / 1000)
+        run.labels(provider).observe(run_ms / 1000)
+
+    def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+                if family.name in ("relay_requests", "relay_queue_seconds",
+                                   "relay_run_seconds") and not s.name.endswith("_created")}
+
+    expected = samples(prometheus_client.generate_latest(theirs).decode())
+    assert samples(ours.render().decode()) == expected
+    assert expected[("relay_queue_seconds_bucket", (("le", "0.005"), ("provider", "a")))] == 2
