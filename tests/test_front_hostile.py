@@ -188,6 +188,35 @@ async def test_idle_keep_alive_connections_are_closed_on_every_route(
         assert KEEP_ALIVE_TIMEOUT_S - 0.5 < after < KEEP_ALIVE_TIMEOUT_S + 2, (route, after)
 
 
+def connection_tasks() -> int:
+    """The connection handlers running in this trio run (trio.serve_listeners' tasks)."""
+    count, tasks = 0, [trio.lowlevel.current_root_task()]
+    while tasks:
+        task = tasks.pop()
+        count += task.name.endswith("._run_handler")
+        tasks += [child for nursery in task.child_nurseries for child in nursery.child_tasks]
+    return count
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+async def test_a_connection_the_client_closes_at_once_ends_on_the_server_too(
+        nursery: trio.Nursery, tmp_path: Path, route: str) -> None:
+    # Regression: a client that closed as soon as it had its answer (while its request
+    # was still finishing) left the connection's tasks running until relay stopped,
+    # ~15 KB each: relay's memory grew with every connection a client ever opened.
+    served = await start_relay(nursery, FAKE_ONLY, tmp_path)
+    method, path, body = ROUTES[route]
+    for _ in range(10):
+        async with await Conn.open(port_of(served)) as conn:
+            with trio.fail_after(10):
+                status, _, _ = await conn.response(request(method, path, body=body))
+            assert status < 500, status
+    # Well before the keep-alive timeout, which is not what may end them.
+    with trio.fail_after(KEEP_ALIVE_TIMEOUT_S / 2):
+        while connection_tasks():
+            await trio.sleep(0.01)
+
+
 async def test_keep_alive_stays_on_for_a_client_that_reuses_its_connection(
         nursery: trio.Nursery, tmp_path: Path) -> None:
     served = await start_relay(nursery, FAKE_ONLY, tmp_path)

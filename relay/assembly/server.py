@@ -67,6 +67,12 @@ class BoundedWriteTCPServer(TCPServer):
         # (hypercorn's own starts a task per request; same two methods)
         self.idle_task = _KeepAliveTimer(self)  # type: ignore[assignment]
 
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            self.idle_task.end()  # type: ignore[attr-defined]  # (it is a _KeepAliveTimer)
+
     async def protocol_send(self, event: Any) -> None:
         if isinstance(event, RawData):
             if self._held:
@@ -113,7 +119,13 @@ class _KeepAliveTimer:
     started per request: the task waits for the server's end in a scope whose deadline
     is moved — now + ``keep_alive_timeout`` while idle, never while busy. What it does
     when it fires is hypercorn's: an idle connection is closed after the timeout, or at
-    once when the server is terminating; a busy one only once it is idle again."""
+    once when the server is terminating; a busy one only once it is idle again.
+
+    ``end`` ends it when the connection's reader has (the client closed, or the
+    connection broke): no request can come any more, and the connection's task group
+    waits for this task. (A client that closes just after its answer, while the request
+    is still finishing, leaves the connection busy: a timer that waited for it to be
+    idle again held the connection's tasks until the server stopped — ~15 KB each.)"""
 
     def __init__(self, server: BoundedWriteTCPServer) -> None:
         self._server = server
@@ -121,6 +133,7 @@ class _KeepAliveTimer:
         self._idle = False
         self._idle_again: trio.Event | None = None
         self._started = False
+        self._ended = trio.Event()  # the connection's reader ended
 
     async def restart(self, task_group: Any, action: Any) -> None:
         self._idle = True
@@ -135,15 +148,25 @@ class _KeepAliveTimer:
         self._idle = False
         self._scope.deadline = math.inf
 
+    def end(self) -> None:
+        self._ended.set()
+        self._scope.cancel()
+        if self._idle_again is not None:
+            self._idle_again.set()
+
     async def _run(self) -> None:
         while True:
-            with self._scope:
+            with self._scope:  # cancelled by `end`, even before this task began
                 await self._server.context.terminated.wait()
+            if self._ended.is_set():
+                return  # the connection is over: nothing to close
             if self._idle:
                 break  # idle for keep_alive_timeout, or the server is terminating
             if not self._scope.cancelled_caught:  # terminating while a request runs
                 self._idle_again = trio.Event()
                 await self._idle_again.wait()
+                if self._ended.is_set():
+                    return
                 break
             self._scope = trio.CancelScope(deadline=math.inf)  # it was busy again in time
         with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
