@@ -1296,8 +1296,8 @@ def render_profile(label: str, prof: dict[str, Any]) -> list[str]:
 def compile_sources() -> None:
     """Byte-compile relay's own modules, as ``pip install`` does (and as an editable
     install's first run does, unless ``PYTHONDONTWRITEBYTECODE`` is set): section 5 then
-    measures the start-up a user has every time but the first, not a recompile of relay's
-    ~120 modules (0.1-0.2 s here)."""
+    measures the start-up a user has every time but the first, not a recompile of every
+    module of relay's (0.15-0.2 s here)."""
     import compileall
     for package in ("relay", "adapters"):
         if not compileall.compile_dir(ROOT / package, quiet=1):

@@ -65,13 +65,14 @@ class BoundedWriteTCPServer(TCPServer):
         self.write_timeout_s = write_timeout_s
         self._held = b""  # a response head whose body follows at once
         # (hypercorn's own starts a task per request; same two methods)
-        self.idle_task = _KeepAliveTimer(self)  # type: ignore[assignment]
+        self._timer = _KeepAliveTimer(self)
+        self.idle_task = self._timer  # type: ignore[assignment]
 
     async def _read_data(self) -> None:
         try:
             await super()._read_data()
         finally:
-            self.idle_task.end()  # type: ignore[attr-defined]  # (it is a _KeepAliveTimer)
+            self._timer.end()
 
     async def protocol_send(self, event: Any) -> None:
         if isinstance(event, RawData):

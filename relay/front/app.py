@@ -110,6 +110,7 @@ _ROUTES = f"{__package__}.routes"
 
 def _make_quart_app() -> Callable[[Engine, Metrics], Any]:
     """`relay.front.routes.make_quart_app`, its module imported the first time it is
-    asked for (the one place it is: Quart comes with it)."""
+    asked for, here and nowhere else: Quart comes with it (a module of this same layer,
+    imported late on purpose, not a layer dodged)."""
     from .routes import make_quart_app
     return make_quart_app

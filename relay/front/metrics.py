@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 from relay.engine.engine import Engine
@@ -74,25 +75,22 @@ class _Histogram:
     def __init__(self, name: str, doc: str, labels: list[str],
                  buckets: tuple[float, ...]) -> None:
         self.name, self.doc, self.labels, self.buckets = name, doc, labels, buckets
-        self.values: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
+        self.counts: dict[tuple[str, ...], list[int]] = {}
+        self.sums: dict[tuple[str, ...], float] = {}
 
     def observe(self, value: float, *labels: str) -> None:
-        counts, total = self.values.setdefault(labels, ([0] * (len(self.buckets) + 1),
-                                                        [0.0]))
+        counts = self.counts.setdefault(labels, [0] * (len(self.buckets) + 1))
         counts[bisect_left(self.buckets, value)] += 1  # le: a value on a bound is in it
-        total[0] += value
+        self.sums[labels] = self.sums.get(labels, 0.0) + value
 
     def family(self) -> Metric:
         from prometheus_client.core import HistogramMetricFamily
         from prometheus_client.utils import floatToGoString
         family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
         bounds = [*map(floatToGoString, self.buckets), "+Inf"]
-        for labels, (counts, total) in self.values.items():
-            cumulative, running = [], 0
-            for bound, count in zip(bounds, counts, strict=True):
-                running += count
-                cumulative.append((bound, float(running)))
-            family.add_metric(list(labels), cumulative, total[0])
+        for labels, counts in self.counts.items():
+            cumulative = list(zip(bounds, map(float, accumulate(counts)), strict=True))
+            family.add_metric(list(labels), cumulative, self.sums[labels])
         return family
 
 
@@ -149,11 +147,11 @@ class Metrics:
 
 
 class _LiveCollector:
-    """Gauges computed at scrape time from the relay's current providers."""
+    """What a scrape reads: the counted families as they stand, then gauges computed
+    from the relay's current providers."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        self.relay = metrics.relay
 
     def describe(self) -> list[Metric]:
         return list(self._families())  # the names, without reading any lane
@@ -166,7 +164,8 @@ class _LiveCollector:
             yield counted.family()
         families = self._families()
         running, capacity, queued, queue_max, state, in_flight, draining, held = families
-        for name, provider in self.relay.providers.items():
+        relay = m.relay
+        for name, provider in relay.providers.items():
             stats = provider.lane.statistics()
             # SPEC L11: a shared lane's numbers are every relay's; ``scope="global"``
             # says so, so that a dashboard does not sum them across relays.
@@ -178,8 +177,8 @@ class _LiveCollector:
             held.add_metric([name], provider.lane.held_here)
             for each in STATES:
                 state.add_metric([name, each], 1.0 if provider.state == each else 0.0)
-        in_flight.add_metric([], len(self.relay.in_flight))
-        draining.add_metric([], 1.0 if self.relay.draining else 0.0)
+        in_flight.add_metric([], len(relay.in_flight))
+        draining.add_metric([], 1.0 if relay.draining else 0.0)
         yield from families
 
     @staticmethod
