@@ -225,8 +225,12 @@ async def test_reading_is_linear(tmp_path: Path, client: httpx.AsyncClient) -> N
     # The same 8 MiB, written in 1 KiB pieces over 1.5 s (so relay reads them in many
     # small reads), once as one line and once as 1 KiB lines: reading costs relay the
     # same CPU time either way. A reader that looks at its whole buffer again after each
-    # read spends 2-3 times as much on the long line. And 200 000 short lines at full
-    # speed stay cheap.
+    # read spends 2-3 times as much on the long line. And short lines at full speed cost
+    # in proportion to their count (200 000 ten times 20 000, give or take how the reads
+    # fall; a reader that re-scans what it holds pays a hundred), and a few times the
+    # 8 MiB read at most (1.8-3.7 times seen, here and in CI): all
+    # measured against each other in this run, as a machine's own speed varies (CI once
+    # spent 3.5 s of CPU on what takes 1.1 s here).
     async def cpu_of(words: str) -> float:
         cpu = time.process_time()
         resp = await post(client, served.url, chat(f"tree/{words}"))
@@ -240,7 +244,10 @@ async def test_reading_is_linear(tmp_path: Path, client: httpx.AsyncClient) -> N
         one_line = await cpu_of(f"longline.{size}.1500")
         short_lines = await cpu_of(f"shortlines.{size}.1500")
         assert one_line < 1.6 * short_lines + 0.05, (one_line, short_lines)
-        assert await cpu_of("lines.200000") < 3.0
+        few = await cpu_of("lines.20000")
+        many = await cpu_of("lines.200000")
+        assert many < 25 * few, (many, few)
+        assert many < 8 * short_lines, (many, short_lines)
 
 
 # --- the environment ------------------------------------------------------------------------
