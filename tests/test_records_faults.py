@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -424,3 +425,22 @@ def test_a_fifo_in_the_files_place_is_a_fault_not_a_hang(
         writer.close()
 
     trio.run(main)
+
+
+async def test_a_records_times_read_as_datetime_writes_them() -> None:
+    # The clock formats each whole second once and adds the milliseconds: it must give
+    # datetime's text to the character, across second ends, a microsecond from them, and
+    # where a time rounds up to the next second.
+    import datetime as dt
+    import random
+
+    clock = Clock()
+    now = trio.current_time()
+    edge = math.ceil(clock._anchor + now) - clock._anchor   # a second's end, in trio time
+    times = [now, edge, edge - 1e-7, edge - 4e-7, edge - 6e-7, edge + 1e-6, edge - 1e-3,
+             edge - 5e-4, *(now + random.uniform(-1e6, 1e6) for _ in range(20_000))]
+    for t in times:
+        want = dt.datetime.fromtimestamp(clock._anchor + t, tz=dt.UTC).isoformat(
+            timespec="milliseconds").replace("+00:00", "Z")
+        assert clock.iso(t) == want, t
+    assert clock.iso(None) is None

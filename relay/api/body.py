@@ -64,8 +64,11 @@ class UpstreamBody:
                     return out
             if self._ended:
                 return None
-            with transport_errors(self.provider, self.what):
+            try:  # (per piece: no context manager to enter on the way that succeeds)
                 chunk = await anext(self._raw, None)
+            except Exception:  # (trio.Cancelled is not one: a stop passes through)
+                with transport_errors(self.provider, self.what):
+                    raise
             if chunk is None:
                 self._ended = True
                 continue  # whatever zlib still holds comes out first
