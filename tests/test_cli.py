@@ -6,6 +6,7 @@ bounded, and a daemon is always killed in ``finally``.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import signal
@@ -21,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from conftest import chat, records, wait_for
+from conftest import FAKE_ONLY, chat, records, start_relay, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 RELAY = [sys.executable, "-m", "relay"]
@@ -300,10 +301,6 @@ async def test_serve_sets_the_daemons_gc_threshold_and_embedding_keeps_its_own(
     # generation, whose full passes walk every waiting request); the rest of Python's
     # thresholds stay. An embedding program's collector is its own: serving relay from
     # it changes nothing.
-    import gc
-
-    from conftest import FAKE_ONLY, start_relay
-
     write(tmp_path, "relay.toml", FAKE_CONFIG)
     probe = ("import gc, sys; import relay.assembly.cli as cli; "
              "cli._run_daemon = lambda config: print(*gc.get_threshold()) or 0; "

@@ -12,10 +12,12 @@ Mounting needs root (CAP_SYS_ADMIN); where it is not permitted those tests skip,
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import logging
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -431,9 +433,6 @@ async def test_a_records_times_read_as_datetime_writes_them() -> None:
     # The clock formats each whole second once and adds the milliseconds: it must give
     # datetime's text to the character, across second ends, a microsecond from them, and
     # where a time rounds up to the next second.
-    import datetime as dt
-    import random
-
     clock = Clock()
     now = trio.current_time()
     edge = math.ceil(clock._anchor + now) - clock._anchor   # a second's end, in trio time
