@@ -52,7 +52,11 @@ async def test_three_relays_under_load_with_cut_offs_never_exceed_lanes(
     peak = Peak(upstream)
     rng = random.Random(14)
     async with trio.open_nursery() as nursery:
-        relays = await three(nursery, tmp_path, upstream, redis.url, queue_max=200)
+        # A lease of 4 s bounds each command at 1.0 s (the default's bound): a loaded
+        # machine took up to 0.5 s, which a 2 s lease's 0.5 s bound counted as a dead
+        # server (every shared request then answered coordination_unavailable).
+        relays = await three(nursery, tmp_path, upstream, redis.url, queue_max=200,
+                             lease_s=4.0)
         statuses: list[int | str] = []
 
         async def one(i: int) -> None:
