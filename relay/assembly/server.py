@@ -85,13 +85,22 @@ class BoundedWriteTCPServer(TCPServer):
                 return
         elif self._held:  # anything else: what is held goes first
             await self.protocol_send(RawData(data=b""))
-        if isinstance(event, Closed | Updated):
-            # hypercorn sends these from inside the app's last ``send``, after it has put
+        if isinstance(event, Updated):
+            # Two per request. relay's keep-alive timer only moves a deadline: nothing
+            # here checkpoints, so no cancellation can cut it (hypercorn's own took a lock).
+            if event.idle:
+                self._timer.idle()
+            else:
+                self._timer.busy()
+            return
+        if isinstance(event, Closed):
+            # hypercorn sends this from inside the app's last ``send``, after it has put
             # ``http.disconnect`` in the app's queue. quart-trio cancels its request
-            # nursery on that message, so the close (``send_eof()`` checkpoints) or the
-            # keep-alive timer (a lock) would be cancelled before it ran, and the
-            # connection would stay open until the client left. Both are quick and local.
-            with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+            # nursery on that message, so the close (``send_eof()`` checkpoints) would be
+            # cancelled before it ran, and the connection would stay open until the
+            # client left. It is quick and local.
+            with trio.CancelScope(shield=True,
+                                  deadline=trio.current_time() + CLOSE_TIMEOUT_S):
                 await super().protocol_send(event)
             return
         if not isinstance(event, RawData):
@@ -137,15 +146,21 @@ class _KeepAliveTimer:
         self._ended = trio.Event()  # the connection's reader ended
 
     async def restart(self, task_group: Any, action: Any) -> None:
-        self._idle = True
-        self._scope.deadline = trio.current_time() + self._server.config.keep_alive_timeout
-        if self._idle_again is not None:
-            self._idle_again.set()
+        self.idle()
         if not self._started:
             self._started = True
             task_group._nursery.start_soon(self._run)  # as hypercorn's own timer runs
 
     async def stop(self) -> None:
+        self.busy()
+
+    def idle(self) -> None:
+        self._idle = True
+        self._scope.deadline = trio.current_time() + self._server.config.keep_alive_timeout
+        if self._idle_again is not None:
+            self._idle_again.set()
+
+    def busy(self) -> None:
         self._idle = False
         self._scope.deadline = math.inf
 
