@@ -7,6 +7,7 @@ bounded, and a daemon is always killed in ``finally``.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import re
 import signal
@@ -299,25 +300,31 @@ async def test_serve_sets_the_daemons_gc_threshold_and_embedding_keeps_its_own(
     # `relay serve` collects young objects every 10,000, not every 700 (what a request or
     # a waiting notice holds briefly is freed before a collection moves it into the old
     # generation, whose full passes walk every waiting request); the rest of Python's
-    # thresholds stay. An embedding program's collector is its own: serving relay from
-    # it changes nothing.
+    # thresholds stay. Its log records skip the caller's frame (its format names no
+    # file or line). An embedding program's collector and logging are its own: serving
+    # relay from it changes neither.
     write(tmp_path, "relay.toml", FAKE_CONFIG)
-    probe = ("import gc, sys; import relay.assembly.cli as cli; "
-             "cli._run_daemon = lambda config: print(*gc.get_threshold()) or 0; "
+    probe = ("import gc, logging, sys; import relay.assembly.cli as cli; "
+             "cli._run_daemon = lambda config: print(*gc.get_threshold(), "
+             "int(logging._srcfile is None)) or 0; "
              "sys.exit(cli.main(['serve', '--config', 'relay.toml']))")
     with trio.fail_after(20):
         done = await trio.run_process([sys.executable, "-c", probe], cwd=tmp_path,
                                       env=child_env(tmp_path), capture_stdout=True,
                                       capture_stderr=True, check=False)
     assert done.returncode == 0, done.stderr.decode()
-    young, *older = map(int, done.stdout.split())
+    young, *older, no_caller = map(int, done.stdout.split())
     assert young == 10_000 and older == list(gc.get_threshold()[1:])
+    assert no_caller == 1
 
     before = gc.get_threshold()
+    srcfile = logging._srcfile
+    assert srcfile is not None
     async with trio.open_nursery() as nursery:
         served = await start_relay(nursery, FAKE_ONLY, tmp_path)
         async with httpx.AsyncClient() as client:
             resp = await client.post(f"{served.url}/v1/chat/completions", json=chat("echo"))
             assert resp.status_code == 200
         assert gc.get_threshold() == before
+        assert logging._srcfile == srcfile
         nursery.cancel_scope.cancel()
