@@ -207,7 +207,8 @@ class _Released:
             return
         self._closed = True
         # Shielded as httpcore shields it: a half-closed response poisons its connection.
-        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+        # (One scope, shielded with a deadline of its own: every request closes one.)
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + CLOSE_TIMEOUT_S):
             await self._stream.aclose()  # httpcore: idle again, or closed
         await self._pool._release(self._connection)
 

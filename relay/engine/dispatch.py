@@ -230,8 +230,11 @@ class Dispatcher:
                                    "stall_timeout"))
             when, reason = min(limits)
             changed = run.changed
-            with trio.move_on_at(when):
+            if when == math.inf:  # nothing bounds it yet (it waits for its lane slot)
                 await changed.wait()
+            else:
+                with trio.move_on_at(when):
+                    await changed.wait()
             if run.finished_at is None and trio.current_time() >= when and self._expired(
                     run, reason):
                 run.left = True
