@@ -37,8 +37,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from types import TracebackType
 
 import attrs
 import trio
@@ -202,10 +202,9 @@ class Lane:
         start += (ahead + 1 - steps) * max(call / lanes, gap)  # a huge queue: its rate
         return max(0.0, start), left, call, ahead
 
-    @asynccontextmanager
-    async def slot(
+    def slot(
         self, priority: str = "normal", *, on_queued: Callable[[], None] | None = None,
-    ) -> AsyncIterator[Ticket]:
+    ) -> _Slot:
         """Hold one slot for the body of the ``async with``.
 
         Args:
@@ -215,11 +214,7 @@ class Lane:
         Raises:
             RelayError: ``provider_queue_full`` or ``provider_queue_timeout``.
         """
-        ticket = await self._acquire(priority, on_queued)
-        try:
-            yield ticket
-        finally:
-            self._release(ticket)
+        return _Slot(self, priority, on_queued)
 
     async def _acquire(self, priority: str, on_queued: Callable[[], None] | None) -> Ticket:
         rank = PRIORITIES.get(priority)
@@ -382,3 +377,28 @@ def _basis(left: list[float], call: float, ahead: int, rpm: float) -> str:
     if rpm:
         said += f"; one start every {60 / rpm:g} s"
     return said
+
+
+class _Slot:
+    """`Lane.slot`'s context manager: acquire on entry, release on exit, whatever ends
+    the body. A class, not ``@asynccontextmanager``: every request enters one, and the
+    generator's machinery cost more than the lane's own bookkeeping."""
+
+    __slots__ = ("_lane", "_on_queued", "_priority", "_ticket")
+
+    def __init__(self, lane: Lane, priority: str,
+                 on_queued: Callable[[], None] | None) -> None:
+        self._lane = lane
+        self._priority = priority
+        self._on_queued = on_queued
+        self._ticket: Ticket | None = None
+
+    async def __aenter__(self) -> Ticket:
+        self._ticket = await self._lane._acquire(self._priority, self._on_queued)
+        return self._ticket
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        ticket, self._ticket = self._ticket, None
+        assert ticket is not None
+        self._lane._release(ticket)
