@@ -18,6 +18,7 @@ so no client can write a line of its own into the log.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
 import json
@@ -43,6 +44,7 @@ ACCESS_LOG = "relay.access"
 access_log = logging.getLogger(ACCESS_LOG)
 
 
+@functools.lru_cache(maxsize=256)  # every request's Host; a bounded cache (any client may vary it)
 def _host_name(host: str) -> str | None:
     """The name in a Host header, or None when the header is not ``name[:digits]``.
 

@@ -8,6 +8,7 @@ validating them is `relay.config`'s business.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import sys
@@ -87,6 +88,7 @@ class ProviderConfig:
 
 
 
+@functools.lru_cache(maxsize=256)  # every request's Host; a bounded cache (any client may vary it)
 def is_loopback_host(host: str) -> bool:
     if host.lower() in ("localhost", "localhost.", "ip6-localhost"):
         return True
