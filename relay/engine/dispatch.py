@@ -26,10 +26,9 @@ error — never as a complete answer (F8). A stream whose every choice has had i
 handed over is complete: a failure after that ends it as it is.
 
 Nothing is counted before it has happened: the sink counts an event as sent once the
-writer has been handed it (a hand-over a timeout cancels is not sent, and the dispatcher
-lets a half-done one settle before it reads what was); an attempt is recorded once the
-writer has been told it begins; queue time is recorded however the wait ended; lane
-notices are never dropped (`relay.engine.notices`).
+writer has it (a hand-over a timeout cancels is not sent; the dispatcher lets a half-done
+one settle before it reads what was); an attempt is recorded once the writer knows it
+begins; queue time is recorded however the wait ended; lane notices are never dropped.
 """
 
 from __future__ import annotations
@@ -61,10 +60,7 @@ logger = logging.getLogger("relay.dispatch")
 class Dispatcher:
     def __init__(self, relay: Engine, plan: Plan, call: Call, priority: str,
                  record: Record, stop: RequestStop, stream: bool) -> None:
-        self.relay = relay
-        self.plan = plan
-        self.base_call = call
-        self.priority = priority
+        self.relay, self.plan, self.base_call, self.priority = relay, plan, call, priority
         self.record = record
         self.stop = stop
         self.stream = stream
@@ -213,22 +209,8 @@ class Dispatcher:
         own_deadline = now + own if own is not None else math.inf
         nursery.start_soon(self._run_attempt, run)
 
-        route = self.plan.route
         while run.finished_at is None:
-            limits = [(own_deadline, "attempt_timeout"), (budget_deadline, "budget_exhausted"),
-                      (run.run_deadline, "run_timeout")]
-            # Token limits need tokens: they apply to streamed answers only (a plain
-            # answer arrives whole, its first token is its last).
-            if route is not None and run.running_since is not None and self.stream:
-                if route.first_token_timeout_s is not None and sink.first_token_at is None:
-                    limits.append((run.running_since + route.first_token_timeout_s,
-                                   "first_token_timeout"))
-                # No stall while relay waits for the client: the sink wakes us after.
-                if (route.stall_timeout_s is not None and sink.last_token_at is not None
-                        and not sink.blocked):
-                    limits.append((sink.last_token_at + route.stall_timeout_s,
-                                   "stall_timeout"))
-            when, reason = min(limits)
+            when, reason = self._next_limit(run, sink, own_deadline, budget_deadline)
             changed = run.changed
             if when == math.inf:  # nothing bounds it yet (it waits for its lane slot)
                 await changed.wait()
@@ -259,6 +241,23 @@ class Dispatcher:
         self._log(run)
         target.provider.observe(run.error)  # SPEC H5: real traffic keeps the state honest
         return run
+
+    def _next_limit(self, run: Run, sink: AttemptSink, own_deadline: float,
+                    budget_deadline: float) -> tuple[float, str]:
+        """The attempt's nearest deadline, and its reason. Token limits need tokens: they
+        apply to streamed answers only (a plain answer's first token is its last)."""
+        limits = [(own_deadline, "attempt_timeout"), (budget_deadline, "budget_exhausted"),
+                  (run.run_deadline, "run_timeout")]
+        route = self.plan.route
+        if route is not None and run.running_since is not None and self.stream:
+            if route.first_token_timeout_s is not None and sink.first_token_at is None:
+                limits.append((run.running_since + route.first_token_timeout_s,
+                               "first_token_timeout"))
+            # No stall while relay waits for the client: the sink wakes us after.
+            if (route.stall_timeout_s is not None and sink.last_token_at is not None
+                    and not sink.blocked):
+                limits.append((sink.last_token_at + route.stall_timeout_s, "stall_timeout"))
+        return min(limits)
 
     def _accept(self, run: Run) -> None:
         assert run.error is not None

@@ -22,10 +22,8 @@ Edges:
   hands off again, so a new head takes over that wait — else the free slot idled until
   every waiter had timed out;
 - `update_profile` changes capacity and limits in place: running work is never revoked,
-  waiters are granted at once when capacity grows, a new rpm applies to the next start
-  (SPEC L10);
-- `wait_idle` returns when nothing runs or waits, and the lane is idle when it returns
-  (a provider's adapter is retired only then).
+  waiters are granted at once when capacity grows, a new rpm applies at the next start
+  (SPEC L10); `wait_idle` returns when nothing runs or waits (an adapter retires then).
 
 `tests/lane_fuzz.py` checks these rules at every step of random runs (SPEC L7-L10).
 
@@ -380,17 +378,14 @@ def _basis(left: list[float], call: float, ahead: int, rpm: float) -> str:
 
 
 class _Slot:
-    """`Lane.slot`'s context manager: acquire on entry, release on exit, whatever ends
-    the body. A class, not ``@asynccontextmanager``: every request enters one, and the
-    generator's machinery cost more than the lane's own bookkeeping."""
+    """`Lane.slot`'s context manager: acquire on entry, release on exit, whatever ends the
+    body. A class, not ``@asynccontextmanager``: a generator cost more than the lane."""
 
     __slots__ = ("_lane", "_on_queued", "_priority", "_ticket")
 
     def __init__(self, lane: Lane, priority: str,
                  on_queued: Callable[[], None] | None) -> None:
-        self._lane = lane
-        self._priority = priority
-        self._on_queued = on_queued
+        self._lane, self._priority, self._on_queued = lane, priority, on_queued
         self._ticket: Ticket | None = None
 
     async def __aenter__(self) -> Ticket:
