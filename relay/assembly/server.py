@@ -229,6 +229,18 @@ class Served:
         return self.urls[0]
 
 
+def _writes_bounded(app: Any) -> Any:
+    """Mark the requests whose every write this server bounds (``relay.writes_bounded``):
+    HTTP/1.x, each body a socket write in `BoundedWriteTCPServer.protocol_send`. The
+    exchange then leaves out its own bound, which is for what a server cannot see (an
+    HTTP/2 stream waiting on flow control; an ASGI server that is not relay's)."""
+    async def bounded(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope.get("http_version") in ("1.1", "1.0"):
+            scope["relay.writes_bounded"] = True
+        await app(scope, receive, send)
+    return bounded
+
+
 async def serve_http(
     relay: Relay, *, port: int | None = None,
     shutdown: trio.Event | None = None,
@@ -249,7 +261,7 @@ async def serve_http(
     cfg.keep_alive_timeout = KEEP_ALIVE_TIMEOUT_S
     # (hypercorn's graceful_timeout is not used: relay runs its own accept loop and its
     # own drain, `Relay.drain`, then cancels what is left.)
-    app = wrap_app(relay.app, cfg.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+    app = wrap_app(_writes_bounded(relay.app), cfg.wsgi_max_body_size, "asgi")
     try:
         sockets = cfg.create_sockets()
     except OSError as exc:  # a port in use, an address not this machine's: one line (issue 15)

@@ -86,6 +86,7 @@ class Exchange:
         self.receive = receive
         self._send = send
         self.server = relay.config.server
+        self.writes_bounded = scope.get("relay.writes_bounded", False)
         self.record = Record(id=scope["relay.request_id"], started_at=trio.current_time(),
                              endpoint=scope["path"])
         scope["relay.record"] = self.record  # the guard's log line reads the model, reason
@@ -169,9 +170,14 @@ class Exchange:
                                  "more_body": more})
 
     async def bounded_send(self, message: Message) -> None:
-        # The server layer bounds each socket write (write_timeout_s); this bound is for
-        # what it cannot see, e.g. an HTTP/2 stream waiting on flow control: a reader that
-        # takes nothing for longer is dropped like one that left (SPEC C3).
+        # relay's server bounds each socket write (write_timeout_s), and over HTTP/1.x a
+        # send is one write: no second bound (a scope per piece of every stream). This one
+        # is for what that bound cannot see, e.g. an HTTP/2 stream waiting on flow
+        # control, or another ASGI server: a reader that takes nothing for longer is
+        # dropped like one that left (SPEC C3).
+        if self.writes_bounded:
+            await self.send(message)
+            return
         with trio.move_on_after(self.server.write_timeout_s + 1.0) as bounded:
             await self.send(message)
         if bounded.cancelled_caught:
