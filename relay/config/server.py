@@ -11,6 +11,7 @@ from relay.vocab.profile import (
     is_loopback_host,
 )
 
+from .coordination_url import parse_url
 from .schema import ServerConfig
 
 Registry = Mapping[str, "type[Adapter]"]
@@ -39,6 +40,10 @@ def coordination_url_problem(url: str) -> str | None:
     if not rest or scheme.lower() not in _COORDINATION_SCHEMES:
         return ("must be a Redis or Valkey URL: redis://[:PASSWORD@]HOST:PORT/DB, "
                 "rediss://… (TLS) or unix:///PATH")
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 

@@ -1,13 +1,13 @@
 """One relay's connection to the shared lanes' server: Redis 7 or Valkey (SPEC L11).
 
 Theory of operation. A `Coordinator` lives as one task of relay's own nursery (`serve`)
-and holds, for the relay's life, a coredis client (anyio-native, so it runs under trio
-with its connection tasks inside this task's scope), one pub/sub subscription on this
-relay's own wake-up channel, and the renewal loop. Every `SharedLane` of the relay calls
+and holds, for the relay's life, a `relay.engine.resp` client (its connection's reader
+task inside this task's nursery), one pub/sub subscription on this relay's own wake-up
+channel, and the renewal loop. Every `SharedLane` of the relay calls
 the server through `call`, which bounds each command (``command_timeout_s``) and turns any
 failure into ``coordination_unavailable``.
 
-Why no blocking command: a ``BLPOP`` cancelled by a trio scope leaves a multiplexed
+Why no blocking command: a ``BLPOP`` cancelled by a trio scope leaves a pipelined
 connection blocked behind it (measured with valkey-glide: the next ``GET`` timed out).
 So every command here returns at once; a waiter is woken by a published message on a
 connection of its own (the subscription), and any message lost (pub/sub is at most
@@ -34,7 +34,6 @@ wakes, ``lost_at`` has passed: its holders are cancelled at once, before any ren
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import math
@@ -46,7 +45,7 @@ import trio
 
 from relay.vocab.errors import ConfigError, RelayError
 
-from . import shared_scripts
+from . import resp, shared_scripts
 
 
 class CoordinatedLane(Protocol):
@@ -67,21 +66,8 @@ __all__ = ["Coordinator"]
 logger = logging.getLogger(__name__)
 
 
-@functools.cache
-def _coredis() -> Any:
-    """coredis (and anyio under it), imported when a relay first shares a lane: a relay
-    without shared lanes never loads them (they cost ~0.3 s of its start-up)."""
-    import coredis
-    import coredis.retry
-    return coredis
-
-
-@functools.cache
-def _foreign() -> tuple[type[BaseException], ...]:
-    """What the client raises when the server is gone or the connection breaks."""
-    import anyio
-    return (_coredis().exceptions.RedisError, OSError, TimeoutError, EOFError,
-            anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream)
+# What a command raises when the server is gone, refuses, or the connection breaks.
+_FOREIGN = (resp.RespError, resp.ConnectionLost, OSError)
 
 DOWN_RETRY_S = 0.25  # while the server is unreachable: how often the renewal retries
 LOST_FRACTION = 0.5  # a holder stops this far into a lease that could not be renewed
@@ -91,9 +77,6 @@ class Coordinator:
     """This relay's side of the shared lanes. See the module docstring."""
 
     def __init__(self, url: str, *, prefix: str, lease_s: float, relay_id: str) -> None:
-        scheme, sep, rest = url.partition("://")
-        if scheme.lower() in ("valkey", "valkeys"):  # coredis speaks the same protocol
-            url = ("rediss" if scheme.lower() == "valkeys" else "redis") + sep + rest
         self._url = url
         self.prefix = prefix
         self.lease_s = lease_s
@@ -109,8 +92,9 @@ class Coordinator:
         self.renewed_at = -math.inf
         self.subscribed = trio.Event()
         self._members = itertools.count()
-        self._client: Any = None
-        self._scripts: dict[str, Any] = {}
+        self._client: resp.Client | None = None
+        self._scripts = {name: resp.Script(getattr(shared_scripts, name))
+                         for name in ("SYNC", "ACQUIRE", "LEAVE", "RELEASE", "PUMP", "CLAIM")}
         self._renew_now = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._calls = 0  # commands on their way (a stop lets them land first)
@@ -171,38 +155,33 @@ class Coordinator:
             raise self.unavailable(provider)
         self._calls += 1
         try:
-            return await self._call(script, keys, args, provider)
+            return await self._call(client, script, keys, args, provider)
         finally:
             self._calls -= 1
             if not self._calls:
                 self._calls_done.set()
                 self._calls_done = trio.Event()
 
-    async def _call(self, script: str, keys: list[str], args: list[Any],
-                    provider: str) -> Any:
+    async def _call(self, client: resp.Client, script: str, keys: list[str],
+                    args: list[Any], provider: str) -> Any:
         try:
             with trio.fail_after(self.command_timeout_s):
                 try:
-                    return await self._scripts[script](keys, [str(a) for a in args])
-                except _coredis().exceptions.ConnectionError:
-                    # A pooled connection the server dropped (it restarted): once more,
-                    # on a fresh one, if the server takes connections at all. Every
-                    # script is safe to run twice (the member says where it stands).
+                    return await client.script(self._scripts[script], keys, args)
+                except resp.ConnectionLost:
+                    # A connection the server dropped (it restarted): once more, on a
+                    # fresh one, if the server takes connections at all. Every script is
+                    # safe to run twice (the member says where it stands).
                     if not await self._reachable():
                         raise
-                    return await self._scripts[script](keys, [str(a) for a in args])
+                    return await client.script(self._scripts[script], keys, args)
         except trio.TooSlowError as exc:
+            client.reset()  # the server may be stuck (SIGSTOP): the next call connects anew
             self._down(f"no answer within {self.command_timeout_s:g} s")
             raise self.unavailable(provider) from exc
-        except _foreign() as exc:
+        except _FOREIGN as exc:
             self._down(f"{type(exc).__name__}: {exc}")
             raise self.unavailable(provider) from exc
-        except BaseExceptionGroup as group:  # the client's own task groups
-            foreign, rest = group.split(_foreign())
-            if foreign is None or rest is not None:
-                raise  # a stop (trio.Cancelled) or a bug: never swallowed
-            self._down(f"{type(foreign.exceptions[0]).__name__}: {foreign.exceptions[0]}")
-            raise self.unavailable(provider) from group
 
     async def claim_check(self, lane: str, interval_s: float) -> bool:
         """True when this relay runs the lane's interval check now (one relay per
@@ -228,16 +207,14 @@ class Coordinator:
             ConfigError: at start, a shared provider's lanes, queue_max or rpm differ
                 from those the relays already there agreed on (SPEC L11).
         """
-        client = _coredis().Redis.from_url(
-            self._url, decode_responses=True, stream_timeout=self.command_timeout_s,
-            connect_timeout=self.command_timeout_s, retry_policy=_coredis().retry.NoRetryPolicy(),
-            client_name=f"relay:{self.instance}")
-        async with client, trio.open_nursery() as nursery:
+        try:
+            opened = resp.open_client(self._url, timeout_s=self.command_timeout_s,
+                                      name=f"relay:{self.instance}")
+        except ValueError as exc:  # (checked at load; never quoted: it may hold a password)
+            raise ConfigError([f"[server] coordination_url: {exc}"]) from exc
+        async with opened as client, trio.open_nursery() as nursery:
             self._client = client
             self._nursery = nursery
-            self._scripts = {name: client.register_script(getattr(shared_scripts, name))
-                             for name in ("SYNC", "ACQUIRE", "LEAVE", "RELEASE", "PUMP",
-                                          "CLAIM")}
             nursery.start_soon(self._listen)
             with trio.move_on_after(self.command_timeout_s * 2):
                 await self.subscribed.wait()
@@ -270,9 +247,8 @@ class Coordinator:
             await self._renew_all()
 
     async def _reachable(self) -> bool:
-        """Whether the server accepts a connection now, asked with a plain socket first:
-        coredis leaves a failed connection's memory streams unclosed (ResourceWarnings),
-        so while the server is down it is not asked to connect at all."""
+        """Whether the server accepts a connection now, asked with a plain socket (no
+        set-up, no command: a stuck server still accepts, a dead one does not)."""
         parts = urllib.parse.urlsplit(self._url)
         try:
             with trio.fail_after(self.command_timeout_s):
@@ -329,16 +305,16 @@ class Coordinator:
             if not await self._reachable():
                 await trio.sleep(DOWN_RETRY_S)
                 continue
+            client = self._client
+            assert client is not None
             try:
-                async with self._client.pubsub(channels=[self.channel],
-                                               ignore_subscribe_messages=True,
-                                               retry_policy=_coredis().retry.NoRetryPolicy()) as ps:
+                async with client.subscribe(self.channel) as subscription:
                     self.subscribed.set()
-                    async for message in ps:
-                        self._message(str(message.get("data", "")))
-            except* _foreign() as group:  # (a stop, trio.Cancelled, passes through)
+                    while True:
+                        self._message(await subscription.message())
+            except _FOREIGN as exc:  # (a stop, trio.Cancelled, passes through)
                 logger.debug("shared lanes: the subscription ended (%r); renewals make up "
-                             "for lost wake-ups meanwhile", group.exceptions)
+                             "for lost wake-ups meanwhile", exc)
             self.subscribed = trio.Event()
             await trio.sleep(DOWN_RETRY_S)
 

@@ -1,0 +1,397 @@
+"""A small Redis (and Valkey) client on trio, for the shared lanes' coordinator (SPEC L11).
+
+Why relay's own: the coordinator sends a handful of Lua scripts and one subscription, and
+coredis (anyio under trio) cost ~0.6 ms of a command on loopback where the round trip is
+~0.06 ms (`python -m bench.shared`) — most of what a shared slot cost over a local one.
+
+Theory of operation. `open_client` gives a `Client` (no task of its own: its connection
+closes when the ``async with`` ends). Commands share one connection, pipelined, and the
+callers read the replies themselves — no reader task, so no hand-over between tasks::
+
+    caller ── send lock: a place at the end of the line, then its bytes ──▶ server
+    the first caller in line reads: each reply to the oldest place, until its own;
+    then the next caller still waiting reads
+
+- A caller cancelled while it waits leaves its place: its reply is read and dropped, so
+  the connection stays in step (the command may have run: every coordinator script is
+  safe to run twice). A reader cancelled mid-reply leaves what came in the buffer for the
+  next. Nothing here retries.
+- A write cut short (a broken socket, a cancel: half a command, or none, would put the
+  connection out of step), an end of stream, a reply that does not parse, or
+  `Client.reset` (the caller's deadline passed: the server may be stuck) fails the
+  connection: every waiting command gets `ConnectionLost`, and the next command connects
+  anew. The caller bounds each command (the coordinator's ``command_timeout_s``); the
+  set-up of a connection is bounded here by ``timeout_s``.
+- `Client.script` sends ``EVALSHA`` with the script's SHA-1, and once ``EVAL`` with its
+  source when the server does not have it (a restart, ``SCRIPT FLUSH``).
+- `Client.subscribe` opens a connection of its own for ``SUBSCRIBE``; its messages are read
+  in the caller's task.
+
+What a URL may say: `relay.config.coordination_url`. No error message here quotes the URL:
+it may hold a password.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from relay.config.coordination_url import CoordinationTarget, parse_url
+
+__all__ = ["Client", "ConnectionLost", "RespError", "Script", "open_client", "parse_url"]
+
+MAX_REPLY_BYTES = 8 * 1024 * 1024  # a reply longer than this is a server gone wrong
+_TRANSPORT = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+class RespError(Exception):
+    """The server answered an error (``-ERR …``, ``-NOSCRIPT …``, ``-WRONGPASS …``)."""
+
+    @property
+    def code(self) -> str:
+        return str(self).partition(" ")[0]
+
+
+class ConnectionLost(ConnectionError):
+    """The connection could not be made, or broke, before the reply came."""
+
+
+@attrs.frozen
+class Script:
+    source: str
+    sha: str = attrs.field(default=attrs.Factory(
+        lambda self: hashlib.sha1(self.source.encode()).hexdigest(), takes_self=True))
+
+
+def encode(args: tuple[Any, ...]) -> bytes:
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        parts += (b"$%d\r\n" % len(data), data, b"\r\n")
+    return b"".join(parts)
+
+
+class _Incomplete(Exception):  # not all of a reply has arrived yet
+    pass
+
+
+def _parse(buf: bytearray, pos: int) -> tuple[Any, int]:
+    """One RESP2 reply from ``buf`` at ``pos``, and where the next begins (`_Incomplete`:
+    not all of it has arrived; `ConnectionLost`: it is not RESP)."""
+    end = buf.find(b"\r\n", pos)
+    if end < 0:
+        raise _Incomplete
+    kind, line, pos = buf[pos], bytes(buf[pos + 1:end]), end + 2
+    try:
+        if kind == 0x2B:  # +simple
+            return line.decode(), pos
+        if kind == 0x2D:  # -error
+            return RespError(line.decode(errors="replace")), pos
+        if kind == 0x3A:  # :integer
+            return int(line), pos
+        if kind == 0x24:  # $bulk
+            size = int(line)
+            if size < 0:
+                return None, pos
+            if len(buf) < pos + size + 2:
+                raise _Incomplete
+            return bytes(buf[pos:pos + size]).decode(errors="replace"), pos + size + 2
+        if kind == 0x2A:  # *array
+            count = int(line)
+            if count < 0:
+                return None, pos
+            items = []
+            for _ in range(count):
+                item, pos = _parse(buf, pos)
+                items.append(item)
+            return items, pos
+    except ValueError as exc:
+        raise ConnectionLost("the coordination server sent a reply that is not RESP") from exc
+    raise ConnectionLost(f"the coordination server sent a reply that is not RESP "
+                         f"(type byte {kind!r})")
+
+
+class _Reader:
+    """Replies off one stream, in order."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self._buf = bytearray()
+
+    async def reply(self) -> Any:
+        while True:
+            if self._buf:
+                try:
+                    value, used = _parse(self._buf, 0)
+                except _Incomplete:
+                    pass
+                else:
+                    del self._buf[:used]
+                    return value
+            if len(self._buf) > MAX_REPLY_BYTES:
+                raise ConnectionLost(f"the coordination server sent a reply of more than "
+                                     f"{MAX_REPLY_BYTES} bytes")
+            data = await self.stream.receive_some(65536)
+            if not data:
+                raise ConnectionLost("the coordination server closed the connection")
+            self._buf += data
+
+
+@attrs.define(eq=False)
+class _Place:
+    """One command's place in line for its reply."""
+
+    event: trio.Event = attrs.field(factory=trio.Event)  # its reply, or its turn to read
+    done: bool = False
+    value: Any = None
+    error: BaseException | None = None
+    left: bool = False  # its caller is gone (cancelled): the reply is read and dropped
+
+
+class _Connection:
+    """One pipelined connection (see the module docstring). The callers read the replies
+    themselves, one at a time: the first in line reads until its own has come, handing
+    each earlier one to its place, then wakes the next caller still waiting."""
+
+    def __init__(self, reader: _Reader) -> None:
+        self._reader = reader
+        self._places: deque[_Place] = deque()
+        self._send_lock = trio.Lock()
+        self._reading = False
+        self._read_scope = trio.CancelScope()  # the reading caller's: `fail` stops it
+        self.broken: BaseException | None = None
+
+    async def call(self, data: bytes) -> Any:
+        place = _Place()
+        async with self._send_lock:
+            if self.broken is not None:
+                raise ConnectionLost(str(self.broken)) from self.broken
+            self._places.append(place)
+            try:
+                await self._reader.stream.send_all(data)
+            except BaseException as exc:
+                # Half a command, or a place with no command: out of step either way.
+                self.fail(ConnectionLost(f"writing to the coordination server: {exc!r}"))
+                if isinstance(exc, _TRANSPORT):
+                    raise ConnectionLost(f"writing to the coordination server: {exc}") from exc
+                raise
+        try:
+            await self._wait(place)
+        except BaseException:
+            place.left = True
+            self._pass_on()
+            raise
+        if place.error is not None:
+            raise ConnectionLost(str(place.error)) from place.error
+        if isinstance(place.value, RespError):
+            raise place.value
+        return place.value
+
+    async def _wait(self, place: _Place) -> None:
+        while not place.done:
+            if self._reading:
+                place.event = trio.Event()
+                await place.event.wait()
+                continue
+            self._reading = True
+            self._read_scope = trio.CancelScope()
+            try:
+                with self._read_scope:  # cancelled only by `fail`: its place is failed then
+                    await self._read_until(place)
+            except (ConnectionLost, *_TRANSPORT) as exc:
+                self.fail(exc if isinstance(exc, ConnectionLost) else ConnectionLost(
+                    f"reading from the coordination server: {exc}"))
+            finally:
+                self._reading = False
+                self._pass_on()
+
+    async def _read_until(self, place: _Place) -> None:
+        while not place.done:
+            value = await self._reader.reply()
+            if not self._places:
+                raise ConnectionLost("the coordination server sent a reply no command "
+                                     "asked for")
+            head = self._places.popleft()
+            head.value, head.done = value, True
+            head.event.set()
+
+    def _pass_on(self) -> None:
+        """No one reads: the first caller still waiting reads next."""
+        if not self._reading:
+            for place in self._places:
+                if not place.left:
+                    place.event.set()
+                    return
+
+    def fail(self, error: BaseException) -> None:
+        """Fail every waiting command; the connection takes no more (`Client` closes
+        it when it connects anew, or at its end)."""
+        if self.broken is None:
+            self.broken = error
+        while self._places:
+            place = self._places.popleft()
+            place.error, place.done = self.broken, True
+            place.event.set()
+        self._read_scope.cancel()
+
+    async def aclose(self) -> None:
+        self.fail(ConnectionLost("the connection to the coordination server was closed"))
+        await self._reader.stream.aclose()
+
+
+class Client:
+    """Commands, scripts and subscriptions on one server. Made by `open_client`."""
+
+    def __init__(self, target: CoordinationTarget, *, timeout_s: float, name: str) -> None:
+        self._target = target
+        self._timeout_s = timeout_s
+        self._name = name
+        self._connection: _Connection | None = None
+        self._connecting = trio.Lock()
+
+    async def execute(self, *args: Any) -> Any:
+        """Send one command and return its reply.
+
+        Raises:
+            RespError: the server's error reply.
+            ConnectionLost: no connection, or it broke before the reply.
+        """
+        connection = self._connection
+        if connection is None or connection.broken is not None:
+            connection = await self._connect()
+        return await connection.call(encode(args))
+
+    async def script(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+        """Run a Lua script by its SHA-1, sending its source once if the server lacks it."""
+        try:
+            return await self.execute("EVALSHA", script.sha, len(keys), *keys, *args)
+        except RespError as exc:
+            if exc.code != "NOSCRIPT":
+                raise
+        return await self.execute("EVAL", script.source, len(keys), *keys, *args)
+
+    async def aclose(self) -> None:
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            await connection.aclose()
+
+    def reset(self) -> None:
+        """Drop the connection (a command's deadline passed: the server may be stuck);
+        the next command connects again."""
+        if self._connection is not None:
+            self._connection.fail(ConnectionLost("dropped after a command got no reply "
+                                                 "in time"))
+
+    async def _connect(self) -> _Connection:
+        async with self._connecting:
+            connection = self._connection
+            if connection is not None and connection.broken is None:
+                return connection
+            if connection is not None:
+                self._connection = None
+                await connection.aclose()  # (a broken one's stream: closes even when cancelled)
+            connection = self._connection = _Connection(await self._open())
+            return connection
+
+    async def _open(self) -> _Reader:
+        """A connected stream, authenticated and set up (its replies read here)."""
+        t = self._target
+        try:
+            with trio.fail_after(self._timeout_s):
+                if t.path is not None:
+                    stream: trio.abc.Stream = await trio.open_unix_socket(t.path)
+                else:
+                    stream = await trio.open_tcp_stream(t.host, t.port)
+        except (trio.TooSlowError, OSError) as exc:
+            why = getattr(exc, "strerror", None) or f"no answer in {self._timeout_s:g} s"
+            raise ConnectionLost(f"cannot connect: {why}") from exc
+        try:
+            return await self._set_up(stream)
+        except trio.TooSlowError as exc:
+            await stream.aclose()
+            raise ConnectionLost(f"no answer to the set-up within {self._timeout_s:g} s "
+                                 "(a stopped server?)") from exc
+        except BaseException:
+            await stream.aclose()  # closes even when cancelled
+            raise
+
+    async def _set_up(self, stream: trio.abc.Stream) -> _Reader:
+        t = self._target
+        commands: list[tuple[Any, ...]] = []
+        if t.password is not None:
+            commands.append(("AUTH", *([t.username] if t.username else []), t.password))
+        commands += [("SELECT", t.db)] if t.db else []
+        commands.append(("CLIENT", "SETNAME", self._name))
+        with trio.fail_after(self._timeout_s):
+            try:
+                if t.ssl_context is not None:  # (a refused certificate is a broken stream)
+                    stream = trio.SSLStream(stream, t.ssl_context, server_hostname=t.host)
+                    await stream.do_handshake()
+                reader = _Reader(stream)
+                await stream.send_all(b"".join(encode(c) for c in commands))
+                for _ in commands:
+                    if isinstance(reply := await reader.reply(), RespError):
+                        raise reply
+            except _TRANSPORT as exc:
+                raise ConnectionLost(f"setting up the connection: {exc}") from exc
+        return reader
+
+    @asynccontextmanager
+    async def subscribe(self, channel: str) -> AsyncIterator[Subscription]:
+        """A subscription to ``channel`` on a connection of its own (raises as `execute`)."""
+        reader = await self._open()
+        try:
+            confirmed = None
+            with trio.move_on_after(self._timeout_s):
+                try:
+                    await reader.stream.send_all(encode(("SUBSCRIBE", channel)))
+                    confirmed = await reader.reply()
+                except _TRANSPORT as exc:
+                    raise ConnectionLost(f"subscribing: {exc}") from exc
+            if confirmed is None:
+                raise ConnectionLost(f"no answer to SUBSCRIBE within {self._timeout_s:g} s")
+            if isinstance(confirmed, RespError):
+                raise confirmed
+            yield Subscription(reader)
+        finally:
+            await reader.stream.aclose()  # closes even when cancelled
+
+
+class Subscription:
+    def __init__(self, reader: _Reader) -> None:
+        self._reader = reader
+
+    async def message(self) -> str:
+        """The next message's data (`ConnectionLost`: the connection ended)."""
+        while True:
+            try:
+                item = await self._reader.reply()
+            except _TRANSPORT as exc:
+                raise ConnectionLost(f"reading the subscription: {exc}") from exc
+            if isinstance(item, list) and len(item) == 3 and item[0] == "message":
+                return str(item[2])
+
+
+def open_client(url: str, *, timeout_s: float, name: str
+                ) -> AbstractAsyncContextManager[Client]:
+    """A `Client` for ``url`` until the ``async with`` ends (its connections close then).
+
+    Raises:
+        ValueError: the URL is not one this client can use (see the module docstring).
+    """
+    return _client(parse_url(url), timeout_s, name)
+
+
+@asynccontextmanager
+async def _client(target: CoordinationTarget, timeout_s: float, name: str) -> AsyncIterator[Client]:
+    client = Client(target, timeout_s=timeout_s, name=name)
+    try:
+        yield client
+    finally:
+        await client.aclose()
