@@ -275,6 +275,43 @@ async def test_slow_body_times_out(nursery: trio.Nursery, tmp_path: Path) -> Non
 
 # --- the relay token ----------------------------------------------------------------------
 
+async def _answer(stream: trio.SocketStream) -> bytes:
+    """One answer's head, lower-cased (its body, of a content-length, read and dropped)."""
+    data = b""
+    with trio.fail_after(5):
+        while b"\r\n\r\n" not in data:
+            data += await stream.receive_some(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(head.lower().partition(b"content-length: ")[2].split(b"\r\n")[0])
+        while len(body) < length:
+            body += await stream.receive_some(65536)
+    return head.lower()
+
+
+async def test_a_refusal_before_the_body_is_read_tells_the_client_not_to_reuse_it(
+        nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard refuses on the headers alone (here, no token) while the body is still
+    coming: hypercorn closes such a connection after the answer, so the answer must say
+    ``Connection: close`` — a keep-alive client would otherwise send its next request on
+    a connection that is closing, and get no answer at all. A refusal of a request without
+    a body keeps the connection."""
+    monkeypatch.setenv("RELAY_TEST_TOKEN", "s3cret-token")
+    served = await start_relay(nursery, fake_config('token_env = "RELAY_TEST_TOKEN"'), tmp_path)
+    port = int(served.url.rsplit(":", 1)[1])
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                              b"content-type: application/json\r\ncontent-length: 50\r\n\r\n")
+        head = await _answer(stream)  # the body has not been sent
+        assert head.startswith(b"http/1.1 401") and b"\r\nconnection: close" in head, head
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        for _ in range(2):  # no body: the same connection answers again
+            await stream.send_all(b"GET /v1/models HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+            head = await _answer(stream)
+            assert head.startswith(b"http/1.1 401") and b"connection: close" not in head, head
+
+
 async def test_token(nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient,
                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RELAY_TEST_TOKEN", "s3cret-token")

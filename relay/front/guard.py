@@ -119,11 +119,20 @@ class Guard:
                 exchange.bytes_out += len(message.get("body", b""))
             await send(message)
 
+        async def send_closing(message: Message) -> None:
+            # A refusal before the body was read whole: hypercorn closes the connection
+            # after it (the rest of the body is still coming), so the client is told not
+            # to send another request on it.
+            if message["type"] == "http.response.start" and _has_body(scope):
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"connection", b"close")]}
+            await send_with_id(message)
+
         dialect = dialect_for(scope["path"])
         refusal = self._refusal(scope, origin)
         if refusal is not None:
             self._record(scope, refusal)
-            await send_error(send_with_id, refusal, dialect)
+            await send_error(send_closing, refusal, dialect)
             return
         if scope["method"] == "OPTIONS" and origin is not None:  # an allowed preflight
             await send_with_id({"type": "http.response.start", "status": 204, "headers": [
@@ -133,7 +142,7 @@ class Guard:
                 (b"access-control-max-age", b"600")]})
             await send_with_id({"type": "http.response.body", "body": b""})
             return
-        body = await self._read_body(scope, receive, send_with_id, dialect)
+        body = await self._read_body(scope, receive, send_closing, dialect)  # (refusals)
         if body is None:
             return
         exchange.bytes_in = len(body)
@@ -171,10 +180,8 @@ class Guard:
                                   "(the value of the variable named by [server] token_env)")
         if scope["method"] in ("POST", "PUT", "PATCH"):
             length = header(scope, b"content-length")
-            has_body = header(scope, b"transfer-encoding") is not None or (
-                length is not None and length.strip() != "0")
             ctype = (header(scope, b"content-type") or "").split(";")[0].strip().lower()
-            if has_body and not (ctype == "application/json" or ctype.endswith("+json")):
+            if _has_body(scope) and not (ctype == "application/json" or ctype.endswith("+json")):
                 return RelayError("invalid_request", f"request bodies must be "
                                   f"application/json, not {ctype or 'untyped'}", status=415)
             if length is not None and length.strip().isdigit() and int(length) > self.max_body:
@@ -225,6 +232,12 @@ class Guard:
         self._record(scope, error)
         await send_error(send, error, dialect)
         return None
+
+
+def _has_body(scope: Scope) -> bool:
+    length = header(scope, b"content-length")
+    return header(scope, b"transfer-encoding") is not None or (
+        length is not None and length.strip() != "0")
 
 
 class _Logged:
