@@ -3,6 +3,7 @@ each request's head and body sent in one write."""
 
 from __future__ import annotations
 
+import os
 import ssl
 import time
 from collections import deque
@@ -124,6 +125,7 @@ class DirectPool:
         finally:
             self._opening -= 1
         connection = httpcore.AsyncHTTP11Connection(origin, stream, self._keepalive_expiry)
+        connection._state_lock = _EagerLock()  # type: ignore[assignment]  # (httpcore 1.0.9's)
         self._open.add(connection)
         return connection
 
@@ -225,6 +227,47 @@ def _is_request_head(data: bytes) -> bool:
         (b" HTTP/1.1", b" HTTP/1.0"))
 
 
+async def send_eagerly(stream: trio.abc.Stream, data: bytes) -> None:
+    """``stream.send_all(data)``, but what a socket takes whole at once is written without
+    a trip through the scheduler: trio yields after every write, and on loopback a write
+    almost never waits. A cancel point still; what the socket does not take at once goes
+    by ``send_all`` (which waits for room). The caller is the stream's one writer."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    sent = 0
+    if data and type(stream) is trio.SocketStream and not stream.socket.did_shutdown_SHUT_WR:
+        fd = stream.socket.fileno()
+        if fd == -1:
+            raise trio.ClosedResourceError("the socket was already closed")
+        try:
+            sent = os.write(fd, data)
+        except BlockingIOError:
+            pass
+        except OSError as exc:  # the peer is gone (EPIPE, ECONNRESET): as send_all says it
+            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+        if sent == len(data):
+            return
+    await stream.send_all(memoryview(data)[sent:] if sent else data)
+
+
+class _EagerLock:
+    """httpcore's per-connection state lock (taken twice a request), acquired without a
+    trip through the scheduler when it is free. A cancel point still."""
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()
+
+    async def __aenter__(self) -> _EagerLock:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
 class CorkedStream(TrioStream):
     """httpcore's trio connection, with cheaper reads and writes, and a request's head
     held back until what follows it — its body, or the wait for the answer — so a
@@ -261,10 +304,10 @@ class CorkedStream(TrioStream):
     async def _send(self, buffer: bytes, timeout: float | None) -> None:  # noqa: ASYNC109
         try:
             if timeout is None:
-                await self._stream.send_all(buffer)
+                await send_eagerly(self._stream, buffer)
                 return
             with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
-                await self._stream.send_all(buffer)
+                await send_eagerly(self._stream, buffer)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise httpcore.WriteError(exc) from exc
         if scope.cancelled_caught:

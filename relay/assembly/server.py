@@ -40,6 +40,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
 
+from relay.api.pool import send_eagerly
 from relay.config import Config
 from relay.front.asgi import BODY_FOLLOWS
 
@@ -106,21 +107,33 @@ class BoundedWriteTCPServer(TCPServer):
         if not isinstance(event, RawData):
             await super().protocol_send(event)
             return
-        async with self.send_lock:
+        if not event.data:  # h11's end of a body whose length was given: nothing to write
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return
+        # The lock as trio takes it, less the trip through the scheduler when it is free:
+        # a cancelled task writes nothing (at a hard stop, not hypercorn's bare 500).
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self.send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self.send_lock.acquire()
+        try:
             # Keep hypercorn's shield (a half-written frame poisons the connection), but
             # bound it: the shielded scope has its own deadline (one scope, not a shield
             # around a `fail_after`: each write pays for the scopes it opens).
             gone = False
             with trio.CancelScope(shield=True, deadline=trio.current_time()  # noqa: ASYNC912
-                                  + self.write_timeout_s) as bounded:  # (send_all checkpoints)
+                                  + self.write_timeout_s) as bounded:  # (a write may wait)
                 try:
-                    await self.stream.send_all(event.data)
+                    await send_eagerly(self.stream, event.data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     gone = True
             if gone or bounded.cancelled_caught:  # the client left, or takes nothing
                 await self.stream.aclose()  # closes even when cancelled; wakes the reader
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await self.protocol.handle(Closed())  # → http.disconnect → stop
+        finally:
+            self.send_lock.release()
 
 
 class _KeepAliveTimer:

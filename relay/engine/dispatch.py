@@ -49,7 +49,7 @@ from relay.vocab.events import AttemptStarted, Call, Ended
 from relay.vocab.records import Attempt, Record
 
 from .attempt import AttemptSink, Delivered, Run
-from .notices import LaneNotices
+from .notices import LaneNotices, hand
 
 __all__ = ["Dispatcher"]
 
@@ -70,10 +70,10 @@ class Dispatcher:
     async def run(self, nursery: trio.Nursery, out: trio.MemorySendChannel[Any]) -> None:
         """Try the plan's targets; send the writer its events and, last, `Ended`."""
         self.notices = LaneNotices(nursery, out)
-        async with out:
+        try:
             with self.stop.open_scope():
                 error = await self._try_all(nursery, out)
-                await out.send(Ended(error))
+                await hand(out, Ended(error))
                 return
             # Stopped from outside (a drain): stop every attempt; the writer still
             # reports it, and the request ends when their cleanups have.
@@ -81,7 +81,9 @@ class Dispatcher:
                 run.sink.closed = True
                 run.scope.cancel()
                 LaneNotices.drop(run)
-            await out.send(Ended(self.stop.error))
+            await hand(out, Ended(self.stop.error))
+        finally:
+            out.close()  # (synchronous: no trip through the scheduler at the end)
 
     async def _try_all(self, nursery: trio.Nursery,
                        out: trio.MemorySendChannel[Any]) -> RelayError | None:
@@ -114,7 +116,7 @@ class Dispatcher:
                         action=self.plan.timeout_action("budget_exhausted", target)), original)
                 # The writer hears of the attempt first; only then is it counted (the
                 # record, the log): a request stopped before it began shows no attempt.
-                await out.send(AttemptStarted(target.name, sent.any, admitted.ignored))
+                await hand(out, AttemptStarted(target.name, sent.any, admitted.ignored))
                 self._note_fallback(target, attempt_no, last)
                 run = await self._attempt(nursery, out, target, call, sent, deadline)
                 if run.error is None:

@@ -122,8 +122,10 @@ class Chat:
         self.dispatcher = Dispatcher(exchange.relay, self.plan, self.call, self.priority,
                                      exchange.record, stop, self.call.stream)
         nursery.start_soon(self.dispatcher.run, nursery, out)
-        async with events:
+        try:
             await writer.pump(events)
+        finally:
+            events.close()  # (synchronous: no trip through the scheduler at the end)
 
     def settle(self, exchange: Exchange, stop: RequestStop) -> bool:
         record = exchange.record

@@ -127,13 +127,28 @@ def _estimate(chars: int) -> int:
     return (chars + 3) // 4  # about four characters a token
 
 
+async def _next_event(events: trio.MemoryReceiveChannel[Any]) -> Any:
+    """The next event, or None once the channel is closed: a cancel point, as
+    ``receive``; what is already there comes without a trip through the scheduler."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    try:
+        return events.receive_nowait()
+    except trio.WouldBlock:
+        try:
+            return await events.receive()
+        except trio.EndOfChannel:
+            return None
+    except trio.EndOfChannel:
+        return None
+
+
 class JSONWriter(_Writer):
     """A plain answer: nothing is sent until the outcome is known (SPEC A2)."""
 
     async def pump(self, events: trio.MemoryReceiveChannel[Any]) -> None:
         choices: dict[int, dict[str, Any]] = {}
         usage: Usage | None = None
-        async for event in events:
+        while (event := await _next_event(events)) is not None:
             if isinstance(event, Delta):
                 merge_delta(choices.setdefault(event.index, new_choice(event.index)), event)
             elif isinstance(event, Finish):
