@@ -6,6 +6,7 @@ is cancelled, ``reset``, a server restart, a server that accepts but never answe
 from __future__ import annotations
 
 import contextlib
+import random
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -137,6 +138,47 @@ async def test_many_concurrent_commands_each_get_their_own_reply(redis: RedisSer
     assert got == {i: f"m{i}" for i in range(200)}
 
 
+async def test_cancels_landing_anywhere_never_cost_the_other_callers_their_replies(
+        redis: RedisServer) -> None:
+    """Callers cancelled at random moments — waiting for the send lock, as it is handed
+    over, waiting for a reply, reading one — while others never are: those others all
+    get their own replies, on the one connection (a cancel before anything was sent must
+    not fail it)."""
+    rng = random.Random(7)
+    wrong: list[object] = []
+
+    async def steady(k: int) -> None:
+        for i in range(100):
+            if (got := await c.execute("ECHO", f"{k}.{i}")) != f"{k}.{i}":
+                wrong.append(got)
+
+    async def jittery(k: int) -> None:
+        for i in range(100):
+            with trio.move_on_after(rng.uniform(0, 0.003)):
+                if (got := await c.execute("ECHO", f"j{k}.{i}")) != f"j{k}.{i}":
+                    wrong.append(got)
+
+    async with client(redis.url) as c:
+        ids = {await c.execute("CLIENT", "ID")}
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for k in range(10):
+                    nursery.start_soon(steady, k)
+                    nursery.start_soon(jittery, k)
+        ids.add(await c.execute("CLIENT", "ID"))
+    assert wrong == []
+    assert len(ids) == 1  # never failed, never reconnected
+
+
+async def test_a_reply_too_deeply_nested_fails_the_connection_not_every_later_command(
+        redis: RedisServer) -> None:
+    deep = "local t = {} for _ = 1, 3000 do t = {t} end return t"
+    async with client(redis.url) as c:
+        with pytest.raises(resp.ConnectionLost):
+            await c.execute("EVAL", deep, 0)
+        assert await c.execute("PING") == "PONG"  # a new connection, in step
+
+
 async def test_reset_drops_the_connection_and_fails_a_waiting_command(
         redis: RedisServer) -> None:
     async def waiting() -> None:
@@ -251,8 +293,11 @@ def test_parse_url_schemes_and_errors_that_never_quote_the_password() -> None:
     assert resp.parse_url("redis://h").db == 0
     u = resp.parse_url("unix:///run/r.sock?db=4&password=s%40cret")
     assert (u.path, u.db, u.password) == ("/run/r.sock", 4, "s@cret")
+    assert resp.parse_url("redis://:@h/0").password is None  # no AUTH for an empty one
     for bad in ("redis://:hunter2@h/abc", "unix:///r.sock?db=x&password=hunter2",
-                "http://:hunter2@h/0", "rediss://:hunter2@h/0?ssl_ca_certs=/no/such.pem"):
+                "http://:hunter2@h/0", "rediss://:hunter2@h/0?ssl_ca_certs=/no/such.pem",
+                "redis://:hunter2\uff03x@h:6379/0",  # urlsplit's own error quotes it
+                "redis://:hunter2@h:99999/0"):
         with pytest.raises(ValueError) as err:
             resp.parse_url(bad)
         assert "hunter2" not in str(err.value)

@@ -29,7 +29,10 @@ class CoordinationTarget:
 
 def parse_url(url: str) -> CoordinationTarget:
     """Raises: ValueError, naming what is wrong but not quoting the URL."""
-    parts = urllib.parse.urlsplit(url)
+    try:  # (urlsplit's own message may quote the password)
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        raise ValueError("is not a valid URL") from None
     try:
         port = parts.port or 6379
     except ValueError:
@@ -37,8 +40,8 @@ def parse_url(url: str) -> CoordinationTarget:
     scheme = parts.scheme.lower()
     query = dict(urllib.parse.parse_qsl(parts.query))
     username = urllib.parse.unquote(parts.username) if parts.username else None
-    password = (urllib.parse.unquote(parts.password) if parts.password is not None
-                else query.get("password"))
+    password = (urllib.parse.unquote(parts.password) if parts.password
+                else query.get("password")) or None  # (redis://:@host: no password)
     if scheme == "unix":
         db = query.get("db", "0")
         path: str | None = parts.path

@@ -1,9 +1,9 @@
 """One relay's connection to the shared lanes' server: Redis 7 or Valkey (SPEC L11).
 
 Theory of operation. A `Coordinator` lives as one task of relay's own nursery (`serve`)
-and holds, for the relay's life, a `relay.engine.resp` client (its connection's reader
-task inside this task's nursery), one pub/sub subscription on this relay's own wake-up
-channel, and the renewal loop. Every `SharedLane` of the relay calls
+and holds, for the relay's life, a `relay.engine.resp` client (one pipelined connection,
+no task of its own), one pub/sub subscription on this relay's own wake-up channel, and
+the renewal loop. Every `SharedLane` of the relay calls
 the server through `call`, which bounds each command (``command_timeout_s``) and turns any
 failure into ``coordination_unavailable``.
 
@@ -38,7 +38,6 @@ import itertools
 import logging
 import math
 import secrets
-import urllib.parse
 from typing import Any, Protocol
 
 import trio
@@ -249,17 +248,20 @@ class Coordinator:
     async def _reachable(self) -> bool:
         """Whether the server accepts a connection now, asked with a plain socket (no
         set-up, no command: a stuck server still accepts, a dead one does not)."""
-        parts = urllib.parse.urlsplit(self._url)
+        try:
+            target = resp.parse_url(self._url)  # (checked at load: never fails here)
+        except ValueError:
+            self._down("the coordination URL is not valid")
+            return False
         try:
             with trio.fail_after(self.command_timeout_s):
-                if parts.scheme == "unix":
-                    stream: trio.abc.Stream = await trio.open_unix_socket(parts.path)
+                if target.path is not None:
+                    stream: trio.abc.Stream = await trio.open_unix_socket(target.path)
                 else:
-                    stream = await trio.open_tcp_stream(parts.hostname or "127.0.0.1",
-                                                        parts.port or 6379)
+                    stream = await trio.open_tcp_stream(target.host, target.port)
                 await stream.aclose()
-        except (OSError, trio.TooSlowError, ValueError) as exc:
-            self._down(f"cannot connect: {exc or type(exc).__name__}")
+        except (OSError, trio.TooSlowError) as exc:
+            self._down(f"cannot connect: {getattr(exc, 'strerror', None) or exc!r}")
             return False
         return True
 

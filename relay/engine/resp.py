@@ -42,24 +42,14 @@ from typing import Any
 import attrs
 import trio
 
+from relay.api.pool import send_eagerly
 from relay.config.coordination_url import CoordinationTarget, parse_url
+
+from .resp_wire import ConnectionLost, Reader, RespError, encode
 
 __all__ = ["Client", "ConnectionLost", "RespError", "Script", "open_client", "parse_url"]
 
-MAX_REPLY_BYTES = 8 * 1024 * 1024  # a reply longer than this is a server gone wrong
 _TRANSPORT = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
-
-
-class RespError(Exception):
-    """The server answered an error (``-ERR …``, ``-NOSCRIPT …``, ``-WRONGPASS …``)."""
-
-    @property
-    def code(self) -> str:
-        return str(self).partition(" ")[0]
-
-
-class ConnectionLost(ConnectionError):
-    """The connection could not be made, or broke, before the reply came."""
 
 
 @attrs.frozen
@@ -67,80 +57,6 @@ class Script:
     source: str
     sha: str = attrs.field(default=attrs.Factory(
         lambda self: hashlib.sha1(self.source.encode()).hexdigest(), takes_self=True))
-
-
-def encode(args: tuple[Any, ...]) -> bytes:
-    parts = [b"*%d\r\n" % len(args)]
-    for arg in args:
-        data = arg if isinstance(arg, bytes) else str(arg).encode()
-        parts += (b"$%d\r\n" % len(data), data, b"\r\n")
-    return b"".join(parts)
-
-
-class _Incomplete(Exception):  # not all of a reply has arrived yet
-    pass
-
-
-def _parse(buf: bytearray, pos: int) -> tuple[Any, int]:
-    """One RESP2 reply from ``buf`` at ``pos``, and where the next begins (`_Incomplete`:
-    not all of it has arrived; `ConnectionLost`: it is not RESP)."""
-    end = buf.find(b"\r\n", pos)
-    if end < 0:
-        raise _Incomplete
-    kind, line, pos = buf[pos], bytes(buf[pos + 1:end]), end + 2
-    try:
-        if kind == 0x2B:  # +simple
-            return line.decode(), pos
-        if kind == 0x2D:  # -error
-            return RespError(line.decode(errors="replace")), pos
-        if kind == 0x3A:  # :integer
-            return int(line), pos
-        if kind == 0x24:  # $bulk
-            size = int(line)
-            if size < 0:
-                return None, pos
-            if len(buf) < pos + size + 2:
-                raise _Incomplete
-            return bytes(buf[pos:pos + size]).decode(errors="replace"), pos + size + 2
-        if kind == 0x2A:  # *array
-            count = int(line)
-            if count < 0:
-                return None, pos
-            items = []
-            for _ in range(count):
-                item, pos = _parse(buf, pos)
-                items.append(item)
-            return items, pos
-    except ValueError as exc:
-        raise ConnectionLost("the coordination server sent a reply that is not RESP") from exc
-    raise ConnectionLost(f"the coordination server sent a reply that is not RESP "
-                         f"(type byte {kind!r})")
-
-
-class _Reader:
-    """Replies off one stream, in order."""
-
-    def __init__(self, stream: trio.abc.Stream) -> None:
-        self.stream = stream
-        self._buf = bytearray()
-
-    async def reply(self) -> Any:
-        while True:
-            if self._buf:
-                try:
-                    value, used = _parse(self._buf, 0)
-                except _Incomplete:
-                    pass
-                else:
-                    del self._buf[:used]
-                    return value
-            if len(self._buf) > MAX_REPLY_BYTES:
-                raise ConnectionLost(f"the coordination server sent a reply of more than "
-                                     f"{MAX_REPLY_BYTES} bytes")
-            data = await self.stream.receive_some(65536)
-            if not data:
-                raise ConnectionLost("the coordination server closed the connection")
-            self._buf += data
 
 
 @attrs.define(eq=False)
@@ -159,7 +75,7 @@ class _Connection:
     themselves, one at a time: the first in line reads until its own has come, handing
     each earlier one to its place, then wakes the next caller still waiting."""
 
-    def __init__(self, reader: _Reader) -> None:
+    def __init__(self, reader: Reader) -> None:
         self._reader = reader
         self._places: deque[_Place] = deque()
         self._send_lock = trio.Lock()
@@ -167,20 +83,16 @@ class _Connection:
         self._read_scope = trio.CancelScope()  # the reading caller's: `fail` stops it
         self.broken: BaseException | None = None
 
-    async def call(self, data: bytes) -> Any:
+    async def call(self, data: bytes, timeout_s: float) -> Any:
         place = _Place()
         async with self._send_lock:
+            # A cancel that lands as the lock is handed over is raised here, before the
+            # command has a place: nothing was sent, the connection is in step.
+            await trio.lowlevel.checkpoint_if_cancelled()
             if self.broken is not None:
                 raise ConnectionLost(str(self.broken)) from self.broken
             self._places.append(place)
-            try:
-                await self._reader.stream.send_all(data)
-            except BaseException as exc:
-                # Half a command, or a place with no command: out of step either way.
-                self.fail(ConnectionLost(f"writing to the coordination server: {exc!r}"))
-                if isinstance(exc, _TRANSPORT):
-                    raise ConnectionLost(f"writing to the coordination server: {exc}") from exc
-                raise
+            await self._send(data, timeout_s)
         try:
             await self._wait(place)
         except BaseException:
@@ -193,6 +105,28 @@ class _Connection:
             raise place.value
         return place.value
 
+    async def _send(self, data: bytes, timeout_s: float) -> None:
+        """The whole command, or the connection fails (half a command, or a place with
+        none, would put it out of step). A plain socket takes it at once, with no cancel
+        point (one was just passed); TLS may yield inside, so it is shielded, bounded."""
+        stream = self._reader.stream
+        try:
+            if type(stream) is trio.SocketStream:
+                await send_eagerly(stream, data)
+                return
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + timeout_s
+                                  ) as bounded:
+                await stream.send_all(data)
+        except BaseException as exc:
+            self.fail(ConnectionLost(f"writing to the coordination server: {exc!r}"))
+            if isinstance(exc, _TRANSPORT):
+                raise ConnectionLost(f"writing to the coordination server: {exc}") from exc
+            raise
+        if bounded.cancelled_caught:
+            self.fail(ConnectionLost(f"the coordination server took no command within "
+                                     f"{timeout_s:g} s"))
+            raise ConnectionLost(str(self.broken))
+
     async def _wait(self, place: _Place) -> None:
         while not place.done:
             if self._reading:
@@ -204,9 +138,9 @@ class _Connection:
             try:
                 with self._read_scope:  # cancelled only by `fail`: its place is failed then
                     await self._read_until(place)
-            except (ConnectionLost, *_TRANSPORT) as exc:
+            except Exception as exc:  # (a reply that does not parse is as bad as none)
                 self.fail(exc if isinstance(exc, ConnectionLost) else ConnectionLost(
-                    f"reading from the coordination server: {exc}"))
+                    f"reading from the coordination server: {exc!r}"))
             finally:
                 self._reading = False
                 self._pass_on()
@@ -265,7 +199,7 @@ class Client:
         connection = self._connection
         if connection is None or connection.broken is not None:
             connection = await self._connect()
-        return await connection.call(encode(args))
+        return await connection.call(encode(args), self._timeout_s)
 
     async def script(self, script: Script, keys: list[str], args: list[Any]) -> Any:
         """Run a Lua script by its SHA-1, sending its source once if the server lacks it."""
@@ -299,7 +233,7 @@ class Client:
             connection = self._connection = _Connection(await self._open())
             return connection
 
-    async def _open(self) -> _Reader:
+    async def _open(self) -> Reader:
         """A connected stream, authenticated and set up (its replies read here)."""
         t = self._target
         try:
@@ -308,9 +242,10 @@ class Client:
                     stream: trio.abc.Stream = await trio.open_unix_socket(t.path)
                 else:
                     stream = await trio.open_tcp_stream(t.host, t.port)
-        except (trio.TooSlowError, OSError) as exc:
-            why = getattr(exc, "strerror", None) or f"no answer in {self._timeout_s:g} s"
-            raise ConnectionLost(f"cannot connect: {why}") from exc
+        except trio.TooSlowError as exc:
+            raise ConnectionLost(f"cannot connect: no answer in {self._timeout_s:g} s") from exc
+        except OSError as exc:
+            raise ConnectionLost(f"cannot connect: {exc.strerror or exc}") from exc
         try:
             return await self._set_up(stream)
         except trio.TooSlowError as exc:
@@ -321,7 +256,7 @@ class Client:
             await stream.aclose()  # closes even when cancelled
             raise
 
-    async def _set_up(self, stream: trio.abc.Stream) -> _Reader:
+    async def _set_up(self, stream: trio.abc.Stream) -> Reader:
         t = self._target
         commands: list[tuple[Any, ...]] = []
         if t.password is not None:
@@ -333,13 +268,14 @@ class Client:
                 if t.ssl_context is not None:  # (a refused certificate is a broken stream)
                     stream = trio.SSLStream(stream, t.ssl_context, server_hostname=t.host)
                     await stream.do_handshake()
-                reader = _Reader(stream)
+                reader = Reader(stream)
                 await stream.send_all(b"".join(encode(c) for c in commands))
                 for _ in commands:
                     if isinstance(reply := await reader.reply(), RespError):
                         raise reply
-            except _TRANSPORT as exc:
-                raise ConnectionLost(f"setting up the connection: {exc}") from exc
+            except _TRANSPORT as exc:  # (a refused certificate: the SSL error is the cause)
+                raise ConnectionLost(f"setting up the connection: {exc.__cause__ or exc!r}"
+                                     ) from exc
         return reader
 
     @asynccontextmanager
@@ -364,7 +300,7 @@ class Client:
 
 
 class Subscription:
-    def __init__(self, reader: _Reader) -> None:
+    def __init__(self, reader: Reader) -> None:
         self._reader = reader
 
     async def message(self) -> str:
