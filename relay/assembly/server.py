@@ -246,12 +246,30 @@ def _writes_bounded(app: Any) -> Any:
     """Mark the requests whose every write this server bounds (``relay.writes_bounded``):
     HTTP/1.x, each body a socket write in `BoundedWriteTCPServer.protocol_send`. The
     exchange then leaves out its own bound, which is for what a server cannot see (an
-    HTTP/2 stream waiting on flow control; an ASGI server that is not relay's)."""
+    HTTP/2 stream waiting on flow control; an ASGI server that is not relay's).
+
+    And give the app an ASGI ``receive`` that takes a message already in hypercorn's
+    queue (the body, as it arrived) without a trip through the scheduler: a cancel point
+    still, and a wait when the queue is empty, as hypercorn's own."""
     async def bounded(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope.get("http_version") in ("1.1", "1.0"):
             scope["relay.writes_bounded"] = True
-        await app(scope, receive, send)
+        await app(scope, _eager(receive), send)
     return bounded
+
+
+def _eager(receive: Any) -> Any:
+    queue = getattr(receive, "__self__", None)  # hypercorn's: the app queue's ``receive``
+    if not isinstance(queue, trio.MemoryReceiveChannel):
+        return receive
+
+    async def eager() -> Any:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            return queue.receive_nowait()
+        except trio.WouldBlock:
+            return await queue.receive()
+    return eager
 
 
 async def serve_http(
