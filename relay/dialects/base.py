@@ -20,8 +20,13 @@ __all__ = ["Answer", "ChatInput", "Dialect", "StreamEncoder", "dumps", "merge_de
            "new_choice"]
 
 
+# json.dumps with any argument builds a new encoder per call (a third of its time for a
+# stream's chunk): one, made once, does the same.
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    return _encode(obj).encode()
 
 
 @attrs.define(kw_only=True)

@@ -146,6 +146,10 @@ class Record:
         return out
 
 
+# One encoder, made once (json.dumps with arguments builds one per call).
+_encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
+
+
 class RecordWriter:
     """Appends records to a file, one JSON line each, rotating by size (see the module
     docstring for what a record claims and what a fault costs).
@@ -199,7 +203,7 @@ class RecordWriter:
                 logger.exception("a record observer failed on request %s", record.id)
         if self.path is None or self._closed:
             return
-        data = (json.dumps(line, separators=(",", ":"), default=str) + "\n").encode()
+        data = (_encode(line) + "\n").encode()
         self._backlog.append(data)
         self._backlog_bytes += len(data)
         if self._fault is not None:
