@@ -70,6 +70,7 @@ class BoundedWriteTCPServer(TCPServer):
         self.idle_task = self._timer  # type: ignore[assignment]
 
     async def _read_data(self) -> None:
+        _call_on_disconnect(self._task_group)  # set up by now; no request has come yet
         try:
             await super()._read_data()
         finally:
@@ -240,6 +241,37 @@ class Served:
     @property
     def url(self) -> str:
         return self.urls[0]
+
+
+def _call_on_disconnect(task_group: Any) -> None:
+    """Each request's ``http.disconnect`` also reaches its exchange as a call, made as
+    hypercorn queues the message: the exchange then needs no task of its own waiting on
+    ``receive`` for it. The scope says so (``relay.disconnect_calls``); the exchange puts
+    its handler in ``relay.on_disconnect`` while it runs, and a disconnect that came
+    before is marked (``relay.gone``). Messages go into the app's queue as before, and
+    without a trip through the scheduler when it has room (the body's two)."""
+    spawn_app = task_group.spawn_app
+
+    async def spawn(app: Any, config: Any, scope: dict[str, Any], send: Any) -> Any:
+        scope["relay.disconnect_calls"] = True
+        put = await spawn_app(app, config, scope, send)
+        queue = getattr(put, "__self__", None)
+
+        async def watched(message: dict[str, Any]) -> None:
+            if message["type"] == "http.disconnect":
+                scope["relay.gone"] = True
+                if (handler := scope.get("relay.on_disconnect")) is not None:
+                    handler()
+            if isinstance(queue, trio.MemorySendChannel):
+                await trio.lowlevel.checkpoint_if_cancelled()
+                try:
+                    queue.send_nowait(message)
+                    return
+                except trio.WouldBlock:
+                    pass
+            await put(message)
+        return watched
+    task_group.spawn_app = spawn
 
 
 def _writes_bounded(app: Any) -> Any:

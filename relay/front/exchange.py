@@ -128,6 +128,11 @@ class Exchange:
 
     # --- sending --------------------------------------------------------------------------
     async def send(self, message: Message) -> None:
+        if self.client_gone:
+            # It left while this task ran (relay's server says so the moment it happens,
+            # not at our next wait): the request's scope is cancelled, so stop here.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return  # (shielded: there is no one to send to)
         if message["type"] == "http.response.start":
             self.advance(Phase.HEADERS_SENT)
         elif not message.get("more_body"):
@@ -242,12 +247,19 @@ class Exchange:
             async with trio.open_nursery() as nursery:
                 watcher = trio.CancelScope()
                 self.request_scope = nursery.cancel_scope
-                nursery.start_soon(self._watch_disconnect, watcher)
+                if self.scope.get("relay.disconnect_calls"):
+                    # relay's server calls us as the client leaves: no task waits for it.
+                    self.scope["relay.on_disconnect"] = self.drop_client
+                    if self.scope.get("relay.gone"):  # it left before we ran
+                        self.drop_client()
+                else:
+                    nursery.start_soon(self._watch_disconnect, watcher)
                 await handler.run(self, nursery, stop)
                 # Answered. A timed-out attempt may still be cleaning up beside us: the
                 # request ends when it has (its lane is held until then).
                 watcher.cancel()
         finally:
+            self.scope["relay.on_disconnect"] = None
             self.relay.untrack(stop)
             handler.settle(self, stop)
         if self.client_gone:
