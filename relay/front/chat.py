@@ -3,7 +3,8 @@
 A chat request's life, inside one nursery per request::
 
     request task ── writer: turns events into SSE or one JSON body; heartbeats; notices
-     ├─ watcher: ASGI receive(); on http.disconnect → cancel the request's nursery
+     ├─ (the client leaving → cancel the request's nursery: a call from relay's server,
+     │   or a watcher task on ASGI receive() under another server)
      └─ dispatcher: attempts, each lane.slot(priority) → adapter.run(call, sink)
                     └─ sends Delta/Finish/Usage … then Ended(error | None), last
 

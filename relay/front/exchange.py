@@ -3,9 +3,11 @@ fan-out share.
 
 An `Exchange` owns what every relay route needs, whatever it runs: the record (written
 exactly once, in a synchronous ``finally``), the stop handle the relay can reach (a
-drain), the request's nursery, the watcher that turns ``http.disconnect`` into the
-nursery's cancellation, the bounded stream write, and the request's `Phase`. What runs
-inside is a `Handler`: `relay.front.chat.Chat` or `relay.front.fanout.Fanout`.
+drain), the request's nursery, turning ``http.disconnect`` into the nursery's
+cancellation (relay's server calls `Exchange.drop_client` as the client leaves; under
+another ASGI server a watcher task waits on ``receive``), the bounded stream write, and
+the request's `Phase`. What runs inside is a `Handler`: `relay.front.chat.Chat` or
+`relay.front.fanout.Fanout`.
 
 The phase is the request's one explicit state, moved only by the transitions below
 (an illegal one raises); ``headers_sent``, ``answered`` and ``client_gone`` are read off
