@@ -567,3 +567,25 @@ async def test_off_loopback_only_allowed_hosts_and_a_port_are_accepted(
             if not good and r.status_code == 403:
                 assert r.json()["error"]["code"] == "bad_host"
     assert wrong == []
+
+
+async def test_an_http2_request_refused_on_its_headers_ends_its_connection_not_relay(
+        nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hypercorn takes HTTP/2 with prior knowledge on relay's port. A POST refused on its
+    headers (no token) while its body's DATA frame is still on its way made hypercorn 0.18
+    raise KeyError in that connection, which went up through the listener and ended
+    ``relay.serve`` for everyone. Now only that connection ends, logged."""
+    monkeypatch.setenv("RELAY_TEST_TOKEN", "t0ken-for-h2")
+    served = await start_relay(nursery, FAKE_ONLY.replace(
+        "[server]\n", '[server]\ntoken_env = "RELAY_TEST_TOKEN"\n', 1), tmp_path)
+    async with httpx.AsyncClient(http1=False, http2=True, trust_env=False) as h2:
+        for _ in range(3):
+            try:
+                r = await h2.post(served.url + "/v1/chat/completions", json=chat("fake/echo"))
+            except httpx.HTTPError:
+                continue  # the connection it came on may be closed under it
+            assert r.status_code == 401, r.text
+    async with httpx.AsyncClient(trust_env=False) as h1:
+        r = await h1.post(served.url + "/v1/chat/completions", json=chat("fake/echo"),
+                          headers={"authorization": "Bearer t0ken-for-h2"})
+    assert r.status_code == 200, r.text

@@ -296,7 +296,8 @@ async def test_a_refusal_before_the_body_is_read_tells_the_client_not_to_reuse_i
     a connection that is closing, and get no answer at all. A refusal of a request without
     a body keeps the connection."""
     monkeypatch.setenv("RELAY_TEST_TOKEN", "s3cret-token")
-    served = await start_relay(nursery, fake_config('token_env = "RELAY_TEST_TOKEN"'), tmp_path)
+    served = await start_relay(nursery, fake_config(
+        'token_env = "RELAY_TEST_TOKEN"\nmax_body_bytes = 1024'), tmp_path)
     port = int(served.url.rsplit(":", 1)[1])
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
@@ -305,7 +306,24 @@ async def test_a_refusal_before_the_body_is_read_tells_the_client_not_to_reuse_i
         head = await _answer(stream)  # the body has not been sent
         assert head.startswith(b"http/1.1 401") and b"\r\nconnection: close" in head, head
     stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
+    async with contextlib.AsyncExitStack() as streams:
+        streams.push_async_callback(lambda: stream.aclose())
+        # A body over the limit, refused mid-way: whatever the answer says is what the
+        # connection does — `Connection: close` and then its end, or another answer on it.
+        big = b'{"model": "fake/echo", "pad": "' + b"x" * 2000 + b'"}'
+        await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                              b"authorization: Bearer s3cret-token\r\n"
+                              b"content-type: application/json\r\n"
+                              b"transfer-encoding: chunked\r\n\r\n"
+                              + b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big))
+        head = await _answer(stream)
+        assert head.startswith(b"http/1.1 413"), head
+        if b"\r\nconnection: close" in head:
+            with trio.fail_after(5):
+                while await stream.receive_some(65536):
+                    pass  # the server closes it
+            await stream.aclose()
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
         for _ in range(2):  # no body: the same connection answers again
             await stream.send_all(b"GET /v1/models HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
             head = await _answer(stream)

@@ -304,6 +304,18 @@ def _eager(receive: Any) -> Any:
     return eager
 
 
+async def _connection(make: Any, stream: trio.SocketStream) -> None:
+    """One client's connection. A failure of hypercorn's on one (0.18 raises KeyError for
+    an HTTP/2 stream's data that comes after its answer, e.g. a refusal on the headers)
+    ends that connection, logged, and never the listener with every other request."""
+    try:
+        await make(stream)
+    except Exception:
+        logger.exception("a client connection failed inside the HTTP server; it is "
+                         "closed, and relay serves on")
+        await stream.aclose()  # (closes even when cancelled)
+
+
 async def serve_http(
     relay: Relay, *, port: int | None = None,
     shutdown: trio.Event | None = None,
@@ -338,8 +350,9 @@ async def serve_http(
         urls.append(f"http://[{name}]:{bound_port}" if ":" in name
                     else f"http://{name}:{bound_port}")
     context = WorkerContext(None)
-    handler = partial(BoundedWriteTCPServer, app, cfg, context, ConnectionState({}),
-                      write_timeout_s=server.write_timeout_s)
+    handler = partial(_connection, partial(
+        BoundedWriteTCPServer, app, cfg, context, ConnectionState({}),
+        write_timeout_s=server.write_timeout_s))
     async with trio.open_nursery() as connections:
         async with trio.open_nursery() as accepting:
             accepting.start_soon(partial(trio.serve_listeners, handler, listeners,

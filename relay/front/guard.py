@@ -122,8 +122,10 @@ class Guard:
         async def send_closing(message: Message) -> None:
             # A refusal before the body was read whole: hypercorn closes the connection
             # after it (the rest of the body is still coming), so the client is told not
-            # to send another request on it.
-            if message["type"] == "http.response.start" and _has_body(scope):
+            # to send another request on it. (Refused on its headers, a body may in fact
+            # have arrived whole: the client reconnects for nothing, once.)
+            if (message["type"] == "http.response.start" and _has_body(scope)
+                    and not scope.get("relay.body_read")):
                 message = {**message, "headers": [*message.get("headers", ()),
                                                   (b"connection", b"close")]}
             await send_with_id(message)
@@ -135,7 +137,7 @@ class Guard:
             await send_error(send_closing, refusal, dialect)
             return
         if scope["method"] == "OPTIONS" and origin is not None:  # an allowed preflight
-            await send_with_id({"type": "http.response.start", "status": 204, "headers": [
+            await send_closing({"type": "http.response.start", "status": 204, "headers": [
                 (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
                 (b"access-control-allow-headers",
                  b"authorization, content-type, x-relay-priority, x-relay-progress"),
@@ -218,6 +220,7 @@ class Guard:
                     self._record(scope, None)  # gone while sending: still one record
                     return None
                 body += message.get("body", b"")
+                scope["relay.body_read"] = not message.get("more_body")
                 if len(body) > self.max_body:
                     error = RelayError("invalid_request", f"the body is over the limit of "
                                        f"{self.max_body} bytes ([server] max_body_bytes)",
