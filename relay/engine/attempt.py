@@ -75,10 +75,20 @@ class AttemptSink:
         # room: the writer then wakes to a batch it can coalesce into one send. The
         # adapter's next read of the network is its checkpoint; a full channel (a slow
         # client) still blocks here, so backpressure holds.
+        gone = False
         try:
-            self._out.send_nowait(event)
-        except trio.WouldBlock:
-            await self._send_blocked(event)
+            try:
+                self._out.send_nowait(event)
+            except trio.WouldBlock:
+                await self._send_blocked(event)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            # The request is ending (its client left, a drain): the dispatcher or the
+            # writer closed the channel while this task ran. Not the adapter's failure.
+            gone = True
+        if gone:
+            self.closed = True
+            await trio.lowlevel.checkpoint()  # its scope is cancelled by now: a stop
+            raise trio.ClosedResourceError("this attempt is over; its results are void")
         self._handed_over(event)  # not reached when the hand-over was cancelled
 
     async def _send_blocked(self, event: Any) -> None:
