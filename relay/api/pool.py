@@ -3,7 +3,6 @@ each request's head and body sent in one write."""
 
 from __future__ import annotations
 
-import os
 import ssl
 import time
 from collections import deque
@@ -13,6 +12,8 @@ from typing import Any
 import httpcore
 import trio
 from httpcore._backends.trio import TrioStream
+
+from . import eager
 
 __all__ = ["CorkedBackend", "CorkedStream", "DirectPool"]
 
@@ -227,28 +228,6 @@ def _is_request_head(data: bytes) -> bool:
         (b" HTTP/1.1", b" HTTP/1.0"))
 
 
-async def send_eagerly(stream: trio.abc.Stream, data: bytes) -> None:
-    """``stream.send_all(data)``, but what a socket takes whole at once is written without
-    a trip through the scheduler: trio yields after every write, and on loopback a write
-    almost never waits. A cancel point still; what the socket does not take at once goes
-    by ``send_all`` (which waits for room). The caller is the stream's one writer."""
-    await trio.lowlevel.checkpoint_if_cancelled()
-    sent = 0
-    if data and type(stream) is trio.SocketStream and not stream.socket.did_shutdown_SHUT_WR:
-        fd = stream.socket.fileno()
-        if fd == -1:
-            raise trio.ClosedResourceError("the socket was already closed")
-        try:
-            sent = os.write(fd, data)
-        except BlockingIOError:
-            pass
-        except OSError as exc:  # the peer is gone (EPIPE, ECONNRESET): as send_all says it
-            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
-        if sent == len(data):
-            return
-    await stream.send_all(memoryview(data)[sent:] if sent else data)
-
-
 class _EagerLock:
     """httpcore's per-connection state lock (taken twice a request), acquired without a
     trip through the scheduler when it is free. A cancel point still."""
@@ -257,11 +236,7 @@ class _EagerLock:
         self._lock = trio.Lock()
 
     async def __aenter__(self) -> _EagerLock:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            self._lock.acquire_nowait()
-        except trio.WouldBlock:
-            await self._lock.acquire()
+        await eager.acquire(self._lock)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -304,10 +279,10 @@ class CorkedStream(TrioStream):
     async def _send(self, buffer: bytes, timeout: float | None) -> None:  # noqa: ASYNC109
         try:
             if timeout is None:
-                await send_eagerly(self._stream, buffer)
+                await eager.send_all(self._stream, buffer)
                 return
             with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
-                await send_eagerly(self._stream, buffer)
+                await eager.send_all(self._stream, buffer)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise httpcore.WriteError(exc) from exc
         if scope.cancelled_caught:

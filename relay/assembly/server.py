@@ -40,7 +40,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
 
-from relay.api.pool import send_eagerly
+from relay.api import eager
 from relay.config import Config
 from relay.front.asgi import BODY_FOLLOWS
 
@@ -111,13 +111,9 @@ class BoundedWriteTCPServer(TCPServer):
         if not event.data:  # h11's end of a body whose length was given: nothing to write
             await trio.lowlevel.checkpoint_if_cancelled()
             return
-        # The lock as trio takes it, less the trip through the scheduler when it is free:
-        # a cancelled task writes nothing (at a hard stop, not hypercorn's bare 500).
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            self.send_lock.acquire_nowait()
-        except trio.WouldBlock:
-            await self.send_lock.acquire()
+        # A cancel point as trio's lock is: a cancelled task writes nothing (at a hard
+        # stop, not hypercorn's bare 500).
+        await eager.acquire(self.send_lock)
         try:
             # Keep hypercorn's shield (a half-written frame poisons the connection), but
             # bound it: the shielded scope has its own deadline (one scope, not a shield
@@ -126,7 +122,7 @@ class BoundedWriteTCPServer(TCPServer):
             with trio.CancelScope(shield=True, deadline=trio.current_time()  # noqa: ASYNC912
                                   + self.write_timeout_s) as bounded:  # (a write may wait)
                 try:
-                    await send_eagerly(self.stream, event.data)
+                    await eager.send_all(self.stream, event.data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     gone = True
             if gone or bounded.cancelled_caught:  # the client left, or takes nothing
@@ -263,13 +259,9 @@ def _call_on_disconnect(task_group: Any) -> None:
                 if (handler := scope.get("relay.on_disconnect")) is not None:
                     handler()
             if isinstance(queue, trio.MemorySendChannel):
-                await trio.lowlevel.checkpoint_if_cancelled()
-                try:
-                    queue.send_nowait(message)
-                    return
-                except trio.WouldBlock:
-                    pass
-            await put(message)
+                await eager.send(queue, message)
+            else:
+                await put(message)
         return watched
     task_group.spawn_app = spawn
 
@@ -294,14 +286,7 @@ def _eager(receive: Any) -> Any:
     queue = getattr(receive, "__self__", None)  # hypercorn's: the app queue's ``receive``
     if not isinstance(queue, trio.MemoryReceiveChannel):
         return receive
-
-    async def eager() -> Any:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            return queue.receive_nowait()
-        except trio.WouldBlock:
-            return await queue.receive()
-    return eager
+    return partial(eager.receive, queue)
 
 
 async def _connection(make: Any, stream: trio.SocketStream) -> None:

@@ -246,22 +246,13 @@ class Coordinator:
             await self._renew_all()
 
     async def _reachable(self) -> bool:
-        """Whether the server accepts a connection now, asked with a plain socket (no
-        set-up, no command: a stuck server still accepts, a dead one does not)."""
-        try:
-            target = resp.parse_url(self._url)  # (checked at load: never fails here)
-        except ValueError:
-            self._down("the coordination URL is not valid")
+        """Whether the server accepts a connection now (`resp.Client.reachable`)."""
+        if self._client is None:
             return False
         try:
-            with trio.fail_after(self.command_timeout_s):
-                if target.path is not None:
-                    stream: trio.abc.Stream = await trio.open_unix_socket(target.path)
-                else:
-                    stream = await trio.open_tcp_stream(target.host, target.port)
-                await stream.aclose()
-        except (OSError, trio.TooSlowError) as exc:
-            self._down(f"cannot connect: {getattr(exc, 'strerror', None) or exc!r}")
+            await self._client.reachable()
+        except resp.ConnectionLost as exc:
+            self._down(str(exc))
             return False
         return True
 

@@ -22,8 +22,7 @@ retried on the same target by `RETRY_ON` (never after a timeout or a 4xx), and o
 after a Retry-After that fits what bounds the request (F4). Once part of a streamed
 answer has reached the client, the next attempt must continue from it (an assistant
 prefill) on a provider that can (``prefill``); otherwise the stream ends with an in-band
-error — never as a complete answer (F8). A stream whose every choice has had its finish
-handed over is complete: a failure after that ends it as it is.
+error — never as a complete answer (F8); once every choice has its finish, a failure ends it.
 
 Nothing is counted before it has happened: the sink counts an event as sent once the
 writer has it (a hand-over a timeout cancels is not sent; the dispatcher lets a half-done
@@ -41,6 +40,7 @@ from typing import Any
 import attrs
 import trio
 
+from relay.api import eager
 from relay.engine.engine import Engine
 from relay.engine.plan import FALLBACK_ON, RETRY_ON, Plan, Target
 from relay.engine.stops import RequestStop
@@ -49,7 +49,7 @@ from relay.vocab.events import AttemptStarted, Call, Ended
 from relay.vocab.records import Attempt, Record
 
 from .attempt import AttemptSink, Delivered, Run
-from .notices import LaneNotices, hand
+from .notices import LaneNotices
 
 __all__ = ["Dispatcher"]
 
@@ -73,7 +73,7 @@ class Dispatcher:
         try:
             with self.stop.open_scope():
                 error = await self._try_all(nursery, out)
-                await hand(out, Ended(error))
+                await eager.send(out, Ended(error))
                 return
             # Stopped from outside (a drain): stop every attempt; the writer still
             # reports it, and the request ends when their cleanups have.
@@ -81,7 +81,7 @@ class Dispatcher:
                 run.sink.closed = True
                 run.scope.cancel()
                 LaneNotices.drop(run)
-            await hand(out, Ended(self.stop.error))
+            await eager.send(out, Ended(self.stop.error))
         finally:
             out.close()  # (synchronous: no trip through the scheduler at the end)
 
@@ -116,7 +116,7 @@ class Dispatcher:
                         action=self.plan.timeout_action("budget_exhausted", target)), original)
                 # The writer hears of the attempt first; only then is it counted (the
                 # record, the log): a request stopped before it began shows no attempt.
-                await hand(out, AttemptStarted(target.name, sent.any, admitted.ignored))
+                await eager.send(out, AttemptStarted(target.name, sent.any, admitted.ignored))
                 self._note_fallback(target, attempt_no, last)
                 run = await self._attempt(nursery, out, target, call, sent, deadline)
                 if run.error is None:

@@ -13,22 +13,12 @@ from typing import Any
 
 import trio
 
+from relay.api import eager
 from relay.vocab.events import Queued, Started
 
 from .attempt import Run
 
-__all__ = ["LaneNotices", "hand"]
-
-
-async def hand(out: trio.MemorySendChannel[Any], event: Any) -> None:
-    """Send ``event`` to the writer. A cancel point always; when the channel has room,
-    without a trip through the scheduler (the writer wakes to what is there, and the
-    sender's next wait is the schedule point). A full channel still waits."""
-    await trio.lowlevel.checkpoint_if_cancelled()
-    try:
-        out.send_nowait(event)
-    except trio.WouldBlock:
-        await out.send(event)
+__all__ = ["LaneNotices"]
 
 
 class LaneNotices:
@@ -67,7 +57,7 @@ class LaneNotices:
         attempt."""
         if self.waiting:
             run.poke()
-            await hand(self._out, Started())
+            await eager.send(self._out, Started())
             self.waiting = False
 
     async def _send_late(self, scope: trio.CancelScope, notice: Queued) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 import attrs
 import trio
 
-from relay.api.pool import send_eagerly
+from relay.api import eager
 from relay.config.coordination_url import CoordinationTarget, parse_url
 
 from .resp_wire import ConnectionLost, Reader, RespError, encode
@@ -112,7 +112,7 @@ class _Connection:
         stream = self._reader.stream
         try:
             if type(stream) is trio.SocketStream:
-                await send_eagerly(stream, data)
+                await eager.send_all(stream, data)
                 return
             with trio.CancelScope(shield=True, deadline=trio.current_time() + timeout_s
                                   ) as bounded:
@@ -233,19 +233,30 @@ class Client:
             connection = self._connection = _Connection(await self._open())
             return connection
 
-    async def _open(self) -> Reader:
-        """A connected stream, authenticated and set up (its replies read here)."""
+    async def reachable(self) -> None:
+        """Connect and close again: a plain socket, no set-up, no command (a stuck server
+        still accepts, a dead one does not).
+
+        Raises:
+            ConnectionLost: it cannot be connected to.
+        """
+        await (await self._dial()).aclose()
+
+    async def _dial(self) -> trio.abc.Stream:
         t = self._target
         try:
             with trio.fail_after(self._timeout_s):
                 if t.path is not None:
-                    stream: trio.abc.Stream = await trio.open_unix_socket(t.path)
-                else:
-                    stream = await trio.open_tcp_stream(t.host, t.port)
+                    return await trio.open_unix_socket(t.path)
+                return await trio.open_tcp_stream(t.host, t.port)
         except trio.TooSlowError as exc:
             raise ConnectionLost(f"cannot connect: no answer in {self._timeout_s:g} s") from exc
         except OSError as exc:
             raise ConnectionLost(f"cannot connect: {exc.strerror or exc}") from exc
+
+    async def _open(self) -> Reader:
+        """A connected stream, authenticated and set up (its replies read here)."""
+        stream = await self._dial()
         try:
             return await self._set_up(stream)
         except trio.TooSlowError as exc:

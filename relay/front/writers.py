@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import trio
 
+from relay.api import eager
 from relay.config import ServerConfig
 from relay.dialects.base import Answer, Dialect, dumps, merge_delta, new_choice
 from relay.vocab.errors import RelayError
@@ -128,16 +129,9 @@ def _estimate(chars: int) -> int:
 
 
 async def _next_event(events: trio.MemoryReceiveChannel[Any]) -> Any:
-    """The next event, or None once the channel is closed: a cancel point, as
-    ``receive``; what is already there comes without a trip through the scheduler."""
-    await trio.lowlevel.checkpoint_if_cancelled()
+    """The next event, or None once the channel is closed (`relay.api.eager`)."""
     try:
-        return events.receive_nowait()
-    except trio.WouldBlock:
-        try:
-            return await events.receive()
-        except trio.EndOfChannel:
-            return None
+        return await eager.receive(events)
     except trio.EndOfChannel:
         return None
 
