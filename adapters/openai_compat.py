@@ -239,26 +239,34 @@ class OpenAIAdapter(HTTPAdapter):
         finished: set[int] = set()
 
         async def handle(name: str | None, data: str) -> bool:
-            if data.strip() == "[DONE]":
-                return True  # the rest of the body is drained, bounded
-            try:
-                chunk = json.loads(data)
-            except ValueError:
-                if "\n" in data:  # a server that leaves out the blank line between events
-                    for line in data.split("\n"):
-                        if line.strip() and await handle(name, line):
-                            return True
-                    return False
-                await events.send(Skipped(f"not JSON: {excerpt(data, 120)!r}"))
-                return False
-            if not isinstance(chunk, dict):
-                await events.send(Skipped(f"not an object: {excerpt(data, 120)!r}"))
-                return False
-            await self._chunk(chunk, events, open_choices, finished)
-            return False
+            return await self._event(data, events, open_choices, finished)
 
         await self.read_sse(resp, handle,
                             complete=lambda: bool(open_choices) and open_choices <= finished)
+
+    async def _event(self, data: str, events: EventSink, open_choices: set[int],
+                     finished: set[int]) -> bool:
+        """One SSE event's data; True at ``[DONE]``. (A method, not a closure that calls
+        itself: a closure over itself is a reference cycle, and every stream's sink and
+        channel would wait for the cycle collector.)"""
+        if data.strip() == "[DONE]":
+            return True  # the rest of the body is drained, bounded
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            if "\n" in data:  # a server that leaves out the blank line between events
+                for line in data.split("\n"):
+                    if line.strip() and await self._event(line, events, open_choices,
+                                                          finished):
+                        return True
+                return False
+            await events.send(Skipped(f"not JSON: {excerpt(data, 120)!r}"))
+            return False
+        if not isinstance(chunk, dict):
+            await events.send(Skipped(f"not an object: {excerpt(data, 120)!r}"))
+            return False
+        await self._chunk(chunk, events, open_choices, finished)
+        return False
 
     async def _chunk(self, chunk: dict[str, Any], events: EventSink, open_choices: set[int],
                      finished: set[int]) -> None:

@@ -69,6 +69,21 @@ class BoundedWriteTCPServer(TCPServer):
         self._timer = _KeepAliveTimer(self)
         self.idle_task = self._timer  # type: ignore[assignment]
 
+    async def run(self) -> None:
+        try:
+            await super().run()
+        finally:
+            # hypercorn's connection objects point at one another (the protocol sends
+            # through this server's bound method; the timer and the disconnect call hold
+            # the server and its task group): undone once every task of the connection
+            # has ended, so a connection is freed by reference counts as it closes, not
+            # left with its buffers for the cycle collector.
+            vars(self).pop("protocol", None)
+            task_group = vars(self).pop("_task_group", None)
+            if task_group is not None:
+                vars(task_group).pop("spawn_app", None)
+            self._timer.detach()
+
     async def _read_data(self) -> None:
         _call_on_disconnect(self._task_group)  # set up by now; no request has come yet
         try:
@@ -173,6 +188,10 @@ class _KeepAliveTimer:
     def busy(self) -> None:
         self._idle = False
         self._scope.deadline = math.inf
+
+    def detach(self) -> None:
+        """The connection has ended (every task of it): let go of its server."""
+        self.__dict__.pop("_server", None)
 
     def end(self) -> None:
         self._ended.set()

@@ -17,7 +17,7 @@ from relay.vocab.records import Attempt
 
 from .plan import Target
 
-__all__ = ["AttemptSink", "Delivered", "Run"]
+__all__ = ["AttemptSink", "Changes", "Delivered", "Run"]
 
 
 @attrs.define
@@ -135,6 +135,22 @@ class AttemptSink:
         return bool(self.finished) and self.open_choices <= self.finished
 
 
+class Changes:
+    """What the dispatcher waits on for an attempt: each ``poke`` wakes whoever waits on
+    the current ``event``, once. The sink pokes it and the `Run` holds it; neither holds
+    the other through it, so an attempt's objects form no reference cycle and are freed
+    by their reference counts as the request ends, not by the cycle collector."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+
+    def poke(self) -> None:
+        self.event.set()
+        self.event = trio.Event()
+
+
 @attrs.define(eq=False)
 class Run:
     """One attempt in flight, as the dispatcher sees it."""
@@ -143,8 +159,8 @@ class Run:
     call: Call
     sink: AttemptSink
     record: Attempt
+    changes: Changes = attrs.field(factory=Changes)
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    changed: trio.Event = attrs.field(factory=trio.Event)
     queued_at: float | None = None  # when it joined its provider's queue (it had to wait)
     notice: trio.CancelScope | None = None  # a Queued notice still on its way to the writer
     running_since: float | None = None
@@ -156,6 +172,9 @@ class Run:
     left: bool = False
     error: RelayError | None = None
 
+    @property
+    def changed(self) -> trio.Event:
+        return self.changes.event
+
     def poke(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
+        self.changes.poke()

@@ -48,7 +48,7 @@ from relay.vocab.errors import RelayError
 from relay.vocab.events import AttemptStarted, Call, Ended
 from relay.vocab.records import Attempt, Record
 
-from .attempt import AttemptSink, Delivered, Run
+from .attempt import AttemptSink, Changes, Delivered, Run
 from .notices import LaneNotices
 
 __all__ = ["Dispatcher"]
@@ -202,9 +202,9 @@ class Dispatcher:
                          started=now)
         self.record.attempts.append(record)
         self.record.provider, self.record.model = target.provider.name, target.model
-        sink = AttemptSink(out, wake=lambda: run.poke())
+        sink = AttemptSink(out, wake=(changes := Changes()).poke)  # shared: not a cycle
         sink.pieces, sink.other_output = [sent.text], sent.other_output
-        run = Run(target, call, sink, record)
+        run = Run(target, call, sink, record, changes)
         self.runs.append(run)
         target.provider.track(run, self.record, self.priority)  # listed in the status
         own = self.plan.timeout_for(target)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import trio
@@ -102,9 +101,12 @@ class Exchange:
         self.prompt_chars = 0
         # The record is written before the last byte goes out whenever it is final by
         # then (relay.vocab.records says what a record claims): ``_final`` settles it and
-        # says whether it is.
+        # says whether it is. (What it settles is held as data, not in a closure over
+        # this exchange: a request's objects are then freed by their reference counts,
+        # not left for the cycle collector.)
         self.recorded = False
-        self._final: Callable[[], bool] = lambda: False
+        self._refused = False
+        self._running: tuple[Handler, RequestStop] | None = None
         # Fields the dialect's own translation dropped (the Responses API's), reported with
         # the target's own drops (``ignored_fields``, SPEC A1a).
         self.dialect_ignored: tuple[str, ...] = ()
@@ -143,6 +145,14 @@ class Exchange:
                 self.recorded = True  # a kill -9 after the last byte cannot lose it now
                 self.relay.records.write(self.record)
         await self._send(message)
+
+    def _final(self) -> bool:
+        if self._refused:
+            return True
+        if self._running is None:
+            return False
+        handler, stop = self._running
+        return handler.settle(self, stop)
 
     async def send_json(self, status: int, obj: Any,
                         headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -208,7 +218,7 @@ class Exchange:
                 refused = exc
             if refused is not None:
                 self.fail(refused)
-                self._final = lambda: True  # nothing ran: the record is final
+                self._refused = True  # nothing ran: the record is final
                 await self.send_error(refused)
             else:
                 self.advance(Phase.RUNNING)
@@ -243,7 +253,7 @@ class Exchange:
 
     async def _run(self, handler: Handler) -> None:
         stop = RequestStop()
-        self._final = lambda: handler.settle(self, stop)
+        self._running = (handler, stop)
         self.relay.track(stop)
         try:
             async with trio.open_nursery() as nursery:

@@ -17,6 +17,7 @@ request said ``store: false``) before the client gets its last byte.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import attrs
@@ -58,19 +59,25 @@ class ResponsesChat(Chat):
     turn: ResponsesTurn | None = None
 
     def prepare(self, exchange: Exchange, body: bytes) -> None:
-        store = exchange.relay.responses
+        # The turn holds these two functions, and the exchange holds the turn: they close
+        # over the relay, the store and the id, and reach the turn by a weak reference,
+        # never over the exchange or the turn themselves (no reference cycle: a request's
+        # objects are freed by their reference counts as it ends).
+        relay, store, request_id = exchange.relay, exchange.relay.responses, exchange.record.id
 
         def lookup(response_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             entry = store.get(response_id)
             if entry is None:
-                raise _not_held(exchange.relay, response_id, "previous_response_id")
+                raise _not_held(relay, response_id, "previous_response_id")
             return entry.input, entry.response
 
         def keep(response: dict[str, Any]) -> None:
-            if turn.echo.get("store", True) is not False:
-                store.put(new_response_id(exchange.record.id), response, turn.input_items)
+            held = this_turn()
+            if held is not None and held.echo.get("store", True) is not False:
+                store.put(new_response_id(request_id), response, held.input_items)
 
         turn = self.turn = RESPONSES.turn(lookup, keep)
+        this_turn = weakref.ref(turn)
         exchange.dialect = turn
         super().prepare(exchange, body)
         assert self.plan is not None
