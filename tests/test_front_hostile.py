@@ -28,7 +28,7 @@ import httpx
 import pytest
 import trio
 from cloud_helpers import http_client, posts
-from conftest import FAKE_ONLY, chat, config_from, lane_idle, start_relay
+from conftest import FAKE_ONLY, chat, config_from, lane_idle, start_relay, wait_for
 from fake_anthropic import KEY as ANTHROPIC_KEY
 from fake_anthropic import FakeAnthropic, serve_fake_anthropic
 from fake_gemini import KEY as GEMINI_KEY
@@ -186,6 +186,33 @@ async def test_idle_keep_alive_connections_are_closed_on_every_route(
     for route, after in closed_after.items():
         assert after is not None, f"{route}: an idle keep-alive connection was never closed"
         assert KEEP_ALIVE_TIMEOUT_S - 0.5 < after < KEEP_ALIVE_TIMEOUT_S + 2, (route, after)
+
+
+async def test_a_draining_relay_closes_idle_connections_at_once_and_busy_ones_after(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    # The keep-alive deadline is the connection reader's own (no timer task): a drain
+    # must still reach a connection that waits idle for its next request, at once, and
+    # let a busy one finish its answer before it closes.
+    shutdown = trio.Event()
+    config = config_from(FAKE_ONLY.replace("[server]\n", "[server]\ndrain_grace_s = 5\n"),
+                         tmp_path)
+    served: Served = await nursery.start(functools.partial(
+        relay.serve, config, port=0, shutdown=shutdown))
+    method, path, body = ROUTES["chat"]
+    async with await Conn.open(port_of(served)) as idle, \
+            await Conn.open(port_of(served)) as busy:
+        with trio.fail_after(10):
+            status, _, _ = await idle.response(request(method, path, body=body))
+        assert status == 200
+        slow = json.dumps(chat("fake/echo?delay_s=3")).encode()  # the drain waits for it
+        await busy.stream.send_all(request("POST", "/v1/chat/completions", body=slow))
+        await wait_for(lambda: served.relay.providers["fake"].lane.statistics().running)
+        shutdown.set()
+        assert await idle.closed_within(1.0), "an idle connection outlived the drain"
+        with trio.fail_after(10):
+            status, headers, answer = await busy.response(b"")
+        assert status == 200 and json.loads(answer)["choices"], answer
+        assert await busy.closed_within(2.0), "a busy connection stayed open after its answer"
 
 
 def connection_tasks() -> int:

@@ -35,7 +35,7 @@ import attrs
 import trio
 from hypercorn.config import Config as HyperConfig
 from hypercorn.events import Closed, RawData, Updated
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import wrap_app
@@ -59,37 +59,95 @@ KEEP_ALIVE_TIMEOUT_S = 5.0
 
 
 class BoundedWriteTCPServer(TCPServer):
-    """hypercorn's connection handler, with every socket write bounded in time."""
+    """hypercorn's connection handler, with every socket write bounded in time, and its
+    keep-alive timer kept by the connection's reader (no task of its own)."""
 
-    def __init__(self, *args: Any, write_timeout_s: float) -> None:
+    def __init__(self, *args: Any, write_timeout_s: float,
+                 live: set[BoundedWriteTCPServer] | None = None) -> None:
         super().__init__(*args)
         self.write_timeout_s = write_timeout_s
         self._held = b""  # a response head whose body follows at once
-        # (hypercorn's own starts a task per request; same two methods)
-        self._timer = _KeepAliveTimer(self)
-        self.idle_task = self._timer  # type: ignore[assignment]
+        # hypercorn arms its keep-alive timer through ``idle_task`` (once, as the
+        # connection starts idle): relay's reader keeps it instead (`_read_data`).
+        self.idle_task = self  # type: ignore[assignment]
+        self._live = live if live is not None else set()
+        self._idle = False
+        self._terminating = False
+        self._idle_deadline = math.inf  # the reader's deadline: set while idle
+        self._reading: trio.CancelScope | None = None  # the reader's wait, while it waits
 
     async def run(self) -> None:
+        self._live.add(self)
         try:
             await super().run()
         finally:
+            self._live.discard(self)
             # hypercorn's connection objects point at one another (the protocol sends
-            # through this server's bound method; the timer and the disconnect call hold
-            # the server and its task group): undone once every task of the connection
-            # has ended, so a connection is freed by reference counts as it closes, not
-            # left with its buffers for the cycle collector.
-            vars(self).pop("protocol", None)
+            # through this server's bound method; the disconnect call holds the task
+            # group): undone once every task of the connection has ended, so a
+            # connection is freed by reference counts as it closes, not left with its
+            # buffers for the cycle collector.
+            for name in ("protocol", "idle_task"):
+                vars(self).pop(name, None)
             task_group = vars(self).pop("_task_group", None)
             if task_group is not None:
                 vars(task_group).pop("spawn_app", None)
-            self._timer.detach()
+
+    # --- the keep-alive timer -----------------------------------------------------------
+    # hypercorn's own starts a task per idle period; relay's used to hold one per
+    # connection. Here the reader's wait for the next bytes has the deadline: now +
+    # ``keep_alive_timeout`` while the connection is idle, none while a request runs.
+    # What happens when it passes is hypercorn's: an idle connection is closed. A
+    # draining relay (`terminate`) closes idle connections at once; a busy one closes
+    # after its answer (hypercorn's protocols see ``context.terminated``).
+
+    async def restart(self, task_group: Any, action: Any) -> None:  # hypercorn: idle
+        self._set_idle(True)
+        await trio.lowlevel.checkpoint_if_cancelled()
+
+    async def stop(self) -> None:  # hypercorn: busy (relay's Updated events come here
+        self._set_idle(False)      # as calls; this is the interface's other half)
+        await trio.lowlevel.checkpoint_if_cancelled()
+
+    def terminate(self) -> None:
+        """relay is draining: an idle connection closes now, a busy one once idle."""
+        self._terminating = True
+        if self._idle:
+            self._set_idle(True)
+
+    def _set_idle(self, idle: bool) -> None:
+        # Only moves a deadline: nothing here checkpoints, so no cancellation can cut it.
+        self._idle = idle
+        if not idle:
+            self._idle_deadline = math.inf
+        elif self._terminating:
+            self._idle_deadline = -math.inf
+        else:
+            self._idle_deadline = trio.current_time() + self.config.keep_alive_timeout
+        if self._reading is not None:
+            self._reading.deadline = self._idle_deadline
 
     async def _read_data(self) -> None:
+        """hypercorn's reader, with the keep-alive deadline on its wait. (hypercorn's
+        ``read_timeout`` is not used: relay turns it off, as it would cut streams.)"""
         _call_on_disconnect(self._task_group)  # set up by now; no request has come yet
-        try:
-            await super()._read_data()
-        finally:
-            self._timer.end()
+        while True:
+            reading = self._reading = trio.CancelScope(deadline=self._idle_deadline)
+            try:
+                with reading:
+                    data = await self.stream.receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                break
+            finally:
+                self._reading = None
+            if reading.cancelled_caught:  # idle for keep_alive_timeout, or draining
+                with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
+                    await self._initiate_server_close()
+                break
+            await self.protocol.handle(RawData(bytes(data)))  # (bytes: no copy)
+            if not data:
+                break
+        await self.protocol.handle(Closed())
 
     async def protocol_send(self, event: Any) -> None:
         if isinstance(event, RawData):
@@ -103,12 +161,8 @@ class BoundedWriteTCPServer(TCPServer):
         elif self._held:  # anything else: what is held goes first
             await self.protocol_send(RawData(data=b""))
         if isinstance(event, Updated):
-            # Two per request. relay's keep-alive timer only moves a deadline: nothing
-            # here checkpoints, so no cancellation can cut it (hypercorn's own took a lock).
-            if event.idle:
-                self._timer.idle()
-            else:
-                self._timer.busy()
+            # Two per request: the keep-alive deadline moves (hypercorn's own took a lock).
+            self._set_idle(event.idle)
             return
         if isinstance(event, Closed):
             # hypercorn sends this from inside the app's last ``send``, after it has put
@@ -146,76 +200,6 @@ class BoundedWriteTCPServer(TCPServer):
                     await self.protocol.handle(Closed())  # → http.disconnect → stop
         finally:
             self.send_lock.release()
-
-
-class _KeepAliveTimer:
-    """hypercorn's keep-alive timer, in its place (``restart`` as the connection goes
-    idle, ``stop`` as a request comes), with one task per connection instead of one
-    started per request: the task waits for the server's end in a scope whose deadline
-    is moved — now + ``keep_alive_timeout`` while idle, never while busy. What it does
-    when it fires is hypercorn's: an idle connection is closed after the timeout, or at
-    once when the server is terminating; a busy one only once it is idle again.
-
-    ``end`` ends it when the connection's reader has (the client closed, or the
-    connection broke): no request can come any more, and the connection's task group
-    waits for this task. (A client that closes just after its answer, while the request
-    is still finishing, leaves the connection busy: a timer that waited for it to be
-    idle again held the connection's tasks until the server stopped — ~15 KB each.)"""
-
-    def __init__(self, server: BoundedWriteTCPServer) -> None:
-        self._server = server
-        self._scope = trio.CancelScope(deadline=math.inf)
-        self._idle = False
-        self._idle_again: trio.Event | None = None
-        self._started = False
-        self._ended = trio.Event()  # the connection's reader ended
-
-    async def restart(self, task_group: Any, action: Any) -> None:
-        self.idle()
-        if not self._started:
-            self._started = True
-            task_group._nursery.start_soon(self._run)  # as hypercorn's own timer runs
-
-    async def stop(self) -> None:
-        self.busy()
-
-    def idle(self) -> None:
-        self._idle = True
-        self._scope.deadline = trio.current_time() + self._server.config.keep_alive_timeout
-        if self._idle_again is not None:
-            self._idle_again.set()
-
-    def busy(self) -> None:
-        self._idle = False
-        self._scope.deadline = math.inf
-
-    def detach(self) -> None:
-        """The connection has ended (every task of it): let go of its server."""
-        self.__dict__.pop("_server", None)
-
-    def end(self) -> None:
-        self._ended.set()
-        self._scope.cancel()
-        if self._idle_again is not None:
-            self._idle_again.set()
-
-    async def _run(self) -> None:
-        while True:
-            with self._scope:  # cancelled by `end`, even before this task began
-                await self._server.context.terminated.wait()
-            if self._ended.is_set():
-                return  # the connection is over: nothing to close
-            if self._idle:
-                break  # idle for keep_alive_timeout, or the server is terminating
-            if not self._scope.cancelled_caught:  # terminating while a request runs
-                self._idle_again = trio.Event()
-                await self._idle_again.wait()
-                if self._ended.is_set():
-                    return
-                break
-            self._scope = trio.CancelScope(deadline=math.inf)  # it was busy again in time
-        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_TIMEOUT_S):
-            await self._server._initiate_server_close()
 
 
 class ListenError(OSError):
@@ -354,9 +338,10 @@ async def serve_http(
         urls.append(f"http://[{name}]:{bound_port}" if ":" in name
                     else f"http://{name}:{bound_port}")
     context = WorkerContext(None)
+    live: set[BoundedWriteTCPServer] = set()  # the connections being served
     handler = partial(_connection, partial(
         BoundedWriteTCPServer, app, cfg, context, ConnectionState({}),
-        write_timeout_s=server.write_timeout_s))
+        write_timeout_s=server.write_timeout_s, live=live))
     async with trio.open_nursery() as connections:
         async with trio.open_nursery() as accepting:
             accepting.start_soon(partial(trio.serve_listeners, handler, listeners,
@@ -370,7 +355,9 @@ async def serve_http(
             accepting.cancel_scope.cancel()
         for listener in listeners:
             await listener.aclose()
-        await context.terminated.set()  # idle keep-alive connections close now
+        await context.terminated.set()  # busy connections close after their answer
+        for connection in list(live):
+            connection.terminate()  # idle keep-alive connections close now
         await relay.drain(server.drain_grace_s)
         connections.cancel_scope.cancel()
 
