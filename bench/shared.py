@@ -62,7 +62,10 @@ def line(name: str, values: list[float]) -> str:
             f"p99 {pct(values, 99):7.3f} ms   mean {statistics.fmean(values) * 1000:7.3f} ms")
 
 
-async def slot_costs(url: str, n: int) -> None:
+async def measure_slots(url: str, n: int) -> dict[str, list[float]]:
+    """Part 1 and 2's times, in seconds: ``local`` and ``shared`` acquire+release of an
+    uncontended slot (``n`` in all, alternating in halves), and ``handoff`` (``n // 4``).
+    `bench.overhead` reports them too (its section 7)."""
     profile = Profile(lanes=1, queue_max=4, queue_timeout_s=10, run_timeout_s=60)
     local = Lane("bench", profile)
     async with trio.open_nursery() as nursery:
@@ -72,21 +75,14 @@ async def slot_costs(url: str, n: int) -> None:
         lane_b = SharedLane("bench", profile, b)
         await nursery.start(a.serve)
         await nursery.start(b.serve)
-        times: dict[str, list[float]] = {"local": [], "shared": []}
+        times: dict[str, list[float]] = {"local": [], "shared": [], "handoff": []}
         for kind, lane in (("local", local), ("shared", lane_a)) * 2:
             for _ in range(n // 2):
                 t = time.perf_counter()
                 async with lane.slot():
                     pass
                 times[kind].append(time.perf_counter() - t)
-        print(line("acquire+release, local lane", times["local"]))
-        print(line("acquire+release, shared lane", times["shared"]))
-        ratio = statistics.median(times["shared"]) / statistics.median(times["local"])
-        extra = pct(times["shared"], 50) - pct(times["local"], 50)
-        print(f"{'':<34} a shared slot costs {extra:.3f} ms more at p50 ({ratio:.0f}x a "
-              "local one)")
 
-        handoffs: list[float] = []
         for _ in range(n // 4):
             queued = trio.Event()
             granted_at: list[float] = []
@@ -104,10 +100,30 @@ async def slot_costs(url: str, n: int) -> None:
             with trio.fail_after(5):
                 while not granted_at:  # noqa: ASYNC110 (a bench's bounded poll)
                     await trio.sleep(0.0001)
-            handoffs.append(granted_at[0] - released_at[0])
-        print(line("contended hand-off (A -> B)", handoffs))
-        print(f"{'':<34} p99 target <= 5 ms: {'met' if pct(handoffs, 99) <= 5 else 'MISSED'}")
+            times["handoff"].append(granted_at[0] - released_at[0])
         nursery.cancel_scope.cancel()
+    return times
+
+
+async def slot_costs(url: str, n: int) -> None:
+    times = await measure_slots(url, n)
+    print(line("acquire+release, local lane", times["local"]))
+    print(line("acquire+release, shared lane", times["shared"]))
+    ratio = statistics.median(times["shared"]) / statistics.median(times["local"])
+    extra = pct(times["shared"], 50) - pct(times["local"], 50)
+    print(f"{'':<34} a shared slot costs {extra:.3f} ms more at p50 ({ratio:.0f}x a "
+          "local one)")
+    print(line("contended hand-off (A -> B)", times["handoff"]))
+    print(f"{'':<34} p99 target <= 5 ms: "
+          f"{'met' if pct(times['handoff'], 99) <= 5 else 'MISSED'}")
+
+
+def wait_until_granting(server: RedisServer) -> None:
+    """A fresh server grants nothing for one lease (see relay/engine/shared_scripts):
+    return once it has been up that long."""
+    while int(server.command("INFO", "server").split(b"uptime_in_seconds:")[1]
+              .split()[0]) < LEASE_S + 1:
+        time.sleep(0.1)
 
 
 async def three_relays(url: str, n: int, tmp: Path, *, lanes: int = 4,
@@ -184,11 +200,7 @@ def main() -> int:
         server = RedisServer(REDIS, Path(tmp) / "redis")
         server.start()
         try:
-            # A fresh server grants nothing for one lease (see relay/engine/shared_scripts):
-            # wait until it has been up that long.
-            while int(server.command("INFO", "server").split(b"uptime_in_seconds:")[1]
-                      .split()[0]) < LEASE_S + 1:
-                time.sleep(0.1)
+            wait_until_granting(server)
             trio.run(slot_costs, server.url, args.slots)
             ok: Any = trio.run(three_relays, server.url, args.requests, Path(tmp))
             left = server.command("ZCARD", "{relay:up}:h").strip()
