@@ -32,6 +32,7 @@ All bookkeeping is synchronous between checkpoints, so no lock is needed.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import math
@@ -48,6 +49,7 @@ from relay.vocab.profile import Profile
 __all__ = ["PRIORITIES", "Lane", "LaneStatistics", "Ticket"]
 
 PRIORITIES = {"interactive": 0, "normal": 1, "background": 2}
+_UNPACED = contextlib.nullcontext()
 
 
 @attrs.define(eq=False)
@@ -241,8 +243,8 @@ class Lane:
                     # Woken by a grant, by the pacer's next start, or (the head of the
                     # queue) to sleep until that start when a slot is free but paced.
                     event = waiter.event = trio.Event()
-                    pacer = self._next_start
-                    with trio.move_on_at(pacer if pacer > trio.current_time() else math.inf):
+                    pacer = self._next_start  # (no scope held by every waiter when unpaced)
+                    with trio.move_on_at(pacer) if pacer > trio.current_time() else _UNPACED:
                         await event.wait()
                     if not waiter.granted and trio.current_time() >= self._next_start:
                         self._hand_off()  # the pacer allows a start now

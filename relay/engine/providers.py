@@ -33,8 +33,6 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Protocol
 
 import attrs
@@ -84,21 +82,25 @@ class AdapterHandle:
     def closed(self) -> bool:
         return self._close.is_set()
 
-    @contextmanager
-    def use(self) -> Iterator[Adapter]:
-        """Hold the adapter open for one attempt (queue wait and run)."""
+    def use(self) -> AdapterHandle:
+        """Hold the adapter open for one attempt (queue wait and run): ``with
+        handle.use() as adapter``. (The handle is its own context manager: no generator
+        and frame held by every attempt, queued ones too.)"""
+        return self
+
+    def __enter__(self) -> Adapter:
         if self.closed:  # its provider was removed by a reload after the plan was made
             raise RelayError("unknown_model", f"provider {self.adapter.name!r} was removed "
                              "from relay's config", provider=self.adapter.name,
                              action="use a model of a provider that is still configured "
                              "(GET /v1/models lists them)")
         self.attempts += 1
-        try:
-            yield self.adapter
-        finally:
-            self.attempts -= 1
-            if self.retiring and self.attempts == 0:
-                self._close.set()
+        return self.adapter
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.attempts -= 1
+        if self.retiring and self.attempts == 0:
+            self._close.set()
 
     def retire(self) -> None:
         """No new attempt will enter; close the adapter once the last one has left."""

@@ -257,7 +257,7 @@ class Exchange:
         self.relay.track(stop)
         try:
             async with trio.open_nursery() as nursery:
-                watcher = trio.CancelScope()
+                watcher = None
                 self.request_scope = nursery.cancel_scope
                 if self.scope.get("relay.disconnect_calls"):
                     # relay's server calls us as the client leaves: no task waits for it.
@@ -265,11 +265,13 @@ class Exchange:
                     if self.scope.get("relay.gone"):  # it left before we ran
                         self.drop_client()
                 else:
+                    watcher = trio.CancelScope()
                     nursery.start_soon(self._watch_disconnect, watcher)
                 await handler.run(self, nursery, stop)
                 # Answered. A timed-out attempt may still be cleaning up beside us: the
                 # request ends when it has (its lane is held until then).
-                watcher.cancel()
+                if watcher is not None:
+                    watcher.cancel()
         finally:
             self.scope["relay.on_disconnect"] = None
             self.relay.untrack(stop)
