@@ -206,7 +206,14 @@ class HTTPConnection:
     async def request(self, raw: bytes) -> tuple[int, bytes]:
         await self.send(raw)
         status, headers = await self.read_head()
-        return status, await self.read_body(headers)
+        body = await self.read_body(headers)
+        if headers.get(b"connection", b"").lower() == b"close":
+            # The server ends this connection (hypercorn's: after 1,000 requests on it):
+            # the next request goes on a new one, as a keep-alive client's does.
+            host, port = self.stream.socket.getpeername()[:2]
+            await self.stream.aclose()
+            self.stream, self._buf = await trio.open_tcp_stream(host, port), bytearray()
+        return status, body
 
 
 def http_request(method: str, hostport: str, path: str, body: bytes = b"") -> bytes:
