@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import trio
 
-__all__ = ["acquire", "receive", "send", "send_all"]
+__all__ = ["acquire", "receive", "send", "send_all", "write_now"]
 
 T = TypeVar("T")
 
@@ -49,17 +49,25 @@ async def send_all(stream: trio.abc.Stream, data: Any) -> None:
     (on loopback a write almost never waits), what it does not by ``send_all``, which
     waits for room. The caller is the stream's one writer."""
     await trio.lowlevel.checkpoint_if_cancelled()
-    sent = 0
-    if data and type(stream) is trio.SocketStream and not stream.socket.did_shutdown_SHUT_WR:
-        fd = stream.socket.fileno()
-        if fd == -1:
-            raise trio.ClosedResourceError("the socket was already closed")
-        try:
-            sent = os.write(fd, data)
-        except BlockingIOError:
-            pass
-        except OSError as exc:  # the peer is gone (EPIPE, ECONNRESET): as send_all says it
-            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
-        if sent == len(data):
-            return
-    await stream.send_all(memoryview(data)[sent:] if sent else data)
+    sent = write_now(stream, data)
+    if sent < len(data):
+        await stream.send_all(memoryview(data)[sent:] if sent else data)
+
+
+def write_now(stream: trio.abc.Stream, data: Any) -> int:
+    """Write what a socket stream takes at once, without waiting (no cancel point: call
+    it after one); how many bytes that was — 0 for another kind of stream, or when the
+    socket has no room. A caller that bounds the rest in time opens its deadline scope
+    only when some is left: on loopback, almost never. Raises trio's errors, as
+    ``send_all`` would: ``ClosedResourceError``, ``BrokenResourceError``."""
+    if not data or type(stream) is not trio.SocketStream or stream.socket.did_shutdown_SHUT_WR:
+        return 0
+    fd = stream.socket.fileno()
+    if fd == -1:
+        raise trio.ClosedResourceError("the socket was already closed")
+    try:
+        return os.write(fd, data)
+    except BlockingIOError:
+        return 0
+    except OSError as exc:  # the peer is gone (EPIPE, ECONNRESET): as send_all says it
+        raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc

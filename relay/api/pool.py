@@ -277,12 +277,18 @@ class CorkedStream(TrioStream):
         await self._send(buffer, timeout)
 
     async def _send(self, buffer: bytes, timeout: float | None) -> None:  # noqa: ASYNC109
+        await trio.lowlevel.checkpoint_if_cancelled()
         try:
+            # What the socket takes at once needs no deadline scope (on loopback: all).
+            sent = eager.write_now(self._stream, buffer)
+            if sent == len(buffer):
+                return
+            rest = memoryview(buffer)[sent:] if sent else buffer
             if timeout is None:
-                await eager.send_all(self._stream, buffer)
+                await self._stream.send_all(rest)
                 return
             with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
-                await eager.send_all(self._stream, buffer)
+                await self._stream.send_all(rest)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise httpcore.WriteError(exc) from exc
         if scope.cancelled_caught:

@@ -184,17 +184,25 @@ class BoundedWriteTCPServer(TCPServer):
         # stop, not hypercorn's bare 500).
         await eager.acquire(self.send_lock)
         try:
-            # Keep hypercorn's shield (a half-written frame poisons the connection), but
-            # bound it: the shielded scope has its own deadline (one scope, not a shield
-            # around a `fail_after`: each write pays for the scopes it opens).
-            gone = False
-            with trio.CancelScope(shield=True, deadline=trio.current_time()  # noqa: ASYNC912
-                                  + self.write_timeout_s) as bounded:  # (a write may wait)
-                try:
-                    await eager.send_all(self.stream, event.data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    gone = True
-            if gone or bounded.cancelled_caught:  # the client left, or takes nothing
+            # What the socket takes at once is written without a scope (nothing waits, so
+            # nothing can cut it). The rest keeps hypercorn's shield (a half-written frame
+            # poisons the connection), but bounded: the shielded scope has its own
+            # deadline (one scope, not a shield around a `fail_after`).
+            gone = timed_out = False
+            data = event.data
+            try:
+                sent = eager.write_now(self.stream, data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                gone, sent = True, len(data)
+            if sent < len(data):
+                with trio.CancelScope(shield=True, deadline=trio.current_time()  # noqa: ASYNC912
+                                      + self.write_timeout_s) as bounded:  # (a write may wait)
+                    try:
+                        await self.stream.send_all(memoryview(data)[sent:] if sent else data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        gone = True
+                timed_out = bounded.cancelled_caught
+            if gone or timed_out:  # the client left, or takes nothing
                 await self.stream.aclose()  # closes even when cancelled; wakes the reader
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await self.protocol.handle(Closed())  # → http.disconnect → stop
