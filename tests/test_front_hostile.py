@@ -24,6 +24,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import h2.config
+import h2.connection
 import httpx
 import pytest
 import trio
@@ -210,9 +212,25 @@ async def test_a_draining_relay_closes_idle_connections_at_once_and_busy_ones_af
         shutdown.set()
         assert await idle.closed_within(1.0), "an idle connection outlived the drain"
         with trio.fail_after(10):
-            status, headers, answer = await busy.response(b"")
+            status, _, answer = await busy.response(b"")
         assert status == 200 and json.loads(answer)["choices"], answer
         assert await busy.closed_within(2.0), "a busy connection stayed open after its answer"
+
+
+async def test_an_http2_connection_that_opens_no_stream_is_closed_as_idle(
+        nursery: trio.Nursery, tmp_path: Path) -> None:
+    # HTTP/2 by prior knowledge: h11 takes the preface for a request (busy), and hypercorn
+    # says idle again only as a stream closes. One that never opens a stream held its file
+    # descriptor until relay stopped (a way past the file limit, as the pollers below).
+    served = await start_relay(nursery, FAKE_ONLY, tmp_path)
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    h2c.initiate_connection()
+    async with await Conn.open(port_of(served)) as conn:
+        await conn.stream.send_all(h2c.data_to_send())
+        opened = trio.current_time()
+        assert await conn.closed_within(KEEP_ALIVE_TIMEOUT_S + 5), "an idle h2c stayed open"
+        after = trio.current_time() - opened
+    assert KEEP_ALIVE_TIMEOUT_S - 0.5 < after < KEEP_ALIVE_TIMEOUT_S + 2, after
 
 
 def connection_tasks() -> int:

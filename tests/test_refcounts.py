@@ -13,6 +13,7 @@ loopback with the collector off, then ask it what it would have had to free.
 from __future__ import annotations
 
 import gc
+import json
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
-from conftest import chat, records, start_relay, wait_for, with_upstream
+from conftest import chat, lane_idle, records, start_relay, wait_for, with_upstream
 from upstream import FakeUpstream, Script
 
 from relay.assembly.server import BoundedWriteTCPServer
@@ -153,5 +155,60 @@ async def test_a_client_that_leaves_mid_stream_leaves_no_cycles(
         await wait_for(lambda: len(records(tmp_path)) == 4)
         await wait_for(lambda: all(r["reason"] == "client_disconnected"
                                    for r in records(tmp_path)))
+        await wait_for(connections_ended)
+        assert_no_request_in_cycles()
+
+
+# --- failures: a refusal, an upstream's error, a fallback, a failed fan-out branch ---------
+
+ROUTES = """
+[routes.fb]
+primary = "up/m2"
+fallbacks = ["fake/echo"]
+"""
+
+FAILURES: dict[str, tuple[str, Any]] = {
+    "bad_json": ("/v1/chat/completions", b"{not json"),
+    "unknown_model": ("/v1/chat/completions", chat("nope/x")),
+    "unknown_previous_response": ("/v1/responses", {
+        "model": "up/m1", "input": "x", "previous_response_id": "resp_nope"}),
+    "upstream_500": ("/v1/chat/completions", chat("up/m2")),
+    "upstream_500_streamed": ("/v1/chat/completions", chat("up/m2", stream=True)),
+    "messages_upstream_500": ("/v1/messages", {**chat("up/m2"), "max_tokens": 5}),
+    "responses_upstream_500": ("/v1/responses", {"model": "up/m2", "input": "x"}),
+    "adapter_failure_mid_stream": ("/v1/chat/completions", chat(
+        "fake/echo?fail=upstream_error&fail_after=1&chunks=3", stream=True)),
+    "fallback_after_a_failure": ("/v1/chat/completions", chat("fb")),
+    "fanout_with_a_failed_branch": ("/relay/v1/fanout", {
+        "messages": [{"role": "user", "content": "a"}], "models": ["fake/echo", "up/m2"]}),
+}
+
+
+async def fail(client: httpx.AsyncClient, url: str, case: str) -> None:
+    path, body = FAILURES[case]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with client.stream("POST", url + path, content=content,
+                             headers={"content-type": "application/json"}) as resp:
+        await resp.aread()
+
+
+@pytest.mark.parametrize("case", list(FAILURES))
+async def test_failed_and_refused_requests_form_no_cycles(
+        nursery: trio.Nursery, upstream: FakeUpstream, tmp_path: Path, case: str) -> None:
+    # A failure is kept as data (the record, the writer's error); its traceback held the
+    # frames it passed through, the request's own among them.
+    upstream.scripts["m1"] = Script(chunks=["Hel", "lo"])
+    upstream.scripts["m2"] = Script(status=500)
+    served = await start_relay(nursery, with_upstream(upstream) + ROUTES, tmp_path)
+    async with httpx.AsyncClient(trust_env=False, timeout=10.0) as warm:
+        await fail(warm, served.url, case)
+    await wait_for(lambda: len(records(tmp_path)) == 1)
+    await wait_for(connections_ended)
+    with collector_off():
+        async with httpx.AsyncClient(trust_env=False, timeout=10.0) as client:
+            for _ in range(2):
+                await fail(client, served.url, case)
+        await wait_for(lambda: len(records(tmp_path)) == 3)
+        await wait_for(lambda: lane_idle(served))
         await wait_for(connections_ended)
         assert_no_request_in_cycles()

@@ -35,6 +35,7 @@ import attrs
 import trio
 from hypercorn.config import Config as HyperConfig
 from hypercorn.events import Closed, RawData, Updated
+from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
@@ -120,7 +121,7 @@ class BoundedWriteTCPServer(TCPServer):
         self._idle = idle
         if not idle:
             self._idle_deadline = math.inf
-        elif self._terminating:
+        elif self._terminating or self.context.terminated.is_set():
             self._idle_deadline = -math.inf
         else:
             self._idle_deadline = trio.current_time() + self.config.keep_alive_timeout
@@ -147,6 +148,12 @@ class BoundedWriteTCPServer(TCPServer):
             await self.protocol.handle(RawData(bytes(data)))  # (bytes: no copy)
             if not data:
                 break
+            if not self._idle and isinstance(self.protocol.protocol, H2Protocol) and (
+                    self.protocol.protocol.idle):
+                # HTTP/2 by prior knowledge: h11 took the preface for a request (busy),
+                # and hypercorn says idle again only as a stream closes. A connection
+                # that opens no stream is idle, and closes as an idle one does.
+                self._set_idle(True)
         await self.protocol.handle(Closed())
 
     async def protocol_send(self, event: Any) -> None:

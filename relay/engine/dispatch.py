@@ -48,7 +48,7 @@ from relay.vocab.errors import RelayError
 from relay.vocab.events import AttemptStarted, Call, Ended
 from relay.vocab.records import Attempt, Record
 
-from .attempt import AttemptSink, Changes, Delivered, Run
+from .attempt import AttemptSink, Changes, Delivered, Run, untraced
 from .notices import LaneNotices
 
 __all__ = ["Dispatcher"]
@@ -340,7 +340,7 @@ class Dispatcher:
                     self._check_response(run)
                     finished = True
         except RelayError as exc:
-            error = exc
+            error = untraced(exc)  # kept as data: a traceback would hold this frame
         except Exception as exc:
             logger.exception("adapter %s crashed on request %s", provider.name,
                              self.record.id)

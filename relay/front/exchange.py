@@ -217,9 +217,12 @@ class Exchange:
             except RelayError as exc:
                 refused = exc
             if refused is not None:
-                self.fail(refused)
-                self._refused = True  # nothing ran: the record is final
-                await self.send_error(refused)
+                try:
+                    self.fail(refused)
+                    self._refused = True  # nothing ran: the record is final
+                    await self.send_error(refused)
+                finally:
+                    refused = None  # its traceback holds this frame: no cycle left behind
             else:
                 self.advance(Phase.RUNNING)
                 await self._run(handler)
