@@ -435,6 +435,11 @@ class CPUWindow:
         self._t = time.perf_counter()
         self._start = self._sample()
 
+    def add(self, name: str, pid: int) -> None:
+        """Count a process started after the window began (from now on)."""
+        self.pids[name] = pid
+        self._start[name] = cpu_seconds(pid)
+
     def stop(self) -> dict[str, float]:
         wall = time.perf_counter() - self._t
         used = {name: value - self._start[name] for name, value in self._sample().items()}
@@ -938,6 +943,7 @@ async def run_bench(sizes: Sizes, pinned: bool, profile: bool, tmp: Path) -> dic
 
             ceiling_child, ceiling = await start_ceiling(nursery, tmp)
             children.append(ceiling_child)
+            whole_run.add("ceiling", ceiling_child.pid)  # the bench's own: not "others"
             pin(ceiling_child.pid, relay_cpu)
             cpu["ceiling"] = CPUWindow({"ceiling": ceiling_child.pid, "client": os.getpid()})
             for key, stream, what in (("throughput", False, "2. throughput at c=32"),
