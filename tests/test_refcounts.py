@@ -181,6 +181,8 @@ FAILURES: dict[str, tuple[str, Any]] = {
     "fallback_after_a_failure": ("/v1/chat/completions", chat("fb")),
     "fanout_with_a_failed_branch": ("/relay/v1/fanout", {
         "messages": [{"role": "user", "content": "a"}], "models": ["fake/echo", "up/m2"]}),
+    "embeddings_upstream_404": ("/v1/embeddings", {"model": "up/m1", "input": "x"}),
+    "count_tokens_unsupported": ("/v1/messages/count_tokens", chat("up/m2")),
 }
 
 

@@ -17,7 +17,7 @@ from relay.vocab.records import Attempt
 
 from .plan import Target
 
-__all__ = ["AttemptSink", "Changes", "Delivered", "Run", "untraced"]
+__all__ = ["AttemptSink", "Changes", "Delivered", "Run"]
 
 
 @attrs.define
@@ -133,24 +133,6 @@ class AttemptSink:
     def complete(self) -> bool:
         """Every choice the writer was handed has been handed its finish too."""
         return bool(self.finished) and self.open_choices <= self.finished
-
-
-def untraced(error: RelayError | None) -> RelayError | None:
-    """``error`` without the tracebacks of its chain (its causes and contexts). An
-    attempt's error is kept as data — in its `Run`, sent to the writer, put in the record
-    — and a traceback holds the frames it passed through, the attempt's own among them,
-    which hold the run: a reference cycle that kept each failed request whole for the
-    cycle collector. (A crash is logged with its traceback before this.)"""
-    seen: set[int] = set()
-    pending: list[BaseException] = [error] if error is not None else []
-    while pending:
-        link = pending.pop()
-        if id(link) in seen:
-            continue
-        seen.add(id(link))
-        link.__traceback__ = None
-        pending += [e for e in (link.__cause__, link.__context__) if e is not None]
-    return error
 
 
 class Changes:

@@ -44,11 +44,11 @@ from relay.api import eager
 from relay.engine.engine import Engine
 from relay.engine.plan import FALLBACK_ON, RETRY_ON, Plan, Target
 from relay.engine.stops import RequestStop
-from relay.vocab.errors import RelayError
+from relay.vocab.errors import RelayError, untraced
 from relay.vocab.events import AttemptStarted, Call, Ended
 from relay.vocab.records import Attempt, Record
 
-from .attempt import AttemptSink, Changes, Delivered, Run, untraced
+from .attempt import AttemptSink, Changes, Delivered, Run
 from .notices import LaneNotices
 
 __all__ = ["Dispatcher"]
@@ -104,7 +104,7 @@ class Dispatcher:
                 admitted = target.provider.adapter.admit(call)  # the field policy (A1a)
             except RelayError as exc:        # skipped, recorded as unsupported (F2)
                 self._skip(target, exc)
-                last = last or exc
+                last = last or untraced(exc)
                 continue
             call = admitted.call
             for attempt_no in range(1 + self.plan.retries):

@@ -29,7 +29,7 @@ from relay.engine.engine import Engine
 from relay.engine.plan import Plan, Target, make_plan
 from relay.engine.stops import RequestStop
 from relay.engine.unary import run_whole
-from relay.vocab.errors import RelayError
+from relay.vocab.errors import RelayError, untraced
 from relay.vocab.events import Call
 
 from .chat import priority_of, refuse_when_draining
@@ -105,7 +105,7 @@ class Embed:
                                      prompt_tokens=result.prompt_tokens,
                                      provider=target.provider.name)
         except RelayError as exc:
-            failed = exc
+            failed = untraced(exc)  # kept as data: a traceback would hold this frame
         if failed is not None:
             exchange.fail(failed)
             await exchange.send_error(failed)
@@ -165,7 +165,7 @@ class CountTokens:
             tokens = await run_whole(self.plan, exchange.record, stop, self.priority,
                                      lambda adapter: adapter.count_tokens(call), lane=False)
         except RelayError as exc:
-            failed = exc
+            failed = untraced(exc)  # kept as data: a traceback would hold this frame
         if failed is not None:
             exchange.fail(failed)
             await exchange.send_error(failed)

@@ -47,7 +47,7 @@ import attrs
 from .redact import head, redact, redact_obj
 
 __all__ = ["DEFAULT_ACTIONS", "MAX_WORDS_BYTES", "REASONS", "ConfigError", "Reason",
-           "RelayError", "bound_text", "cut_marker", "excerpt"]
+           "RelayError", "bound_text", "cut_marker", "excerpt", "untraced"]
 
 MAX_WORDS_BYTES: Final = 64 * 1024  # SPEC E1: the provider's words are whole up to this
 
@@ -298,3 +298,23 @@ class ConfigError(Exception):
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
         super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+def untraced(error: RelayError) -> RelayError:
+    """``error``, without the tracebacks of its chain (causes, contexts, a group's
+    members), for an error kept as data once caught: in an attempt's run, a refusal about
+    to be sent, the record. A traceback holds the frames it passed through, the catcher's
+    own among them, which hold the request: a reference cycle that kept each failed
+    request whole for the cycle collector. (A crash is logged with its traceback first.)"""
+    seen: set[int] = set()
+    pending: list[BaseException] = [error]
+    while pending:
+        link = pending.pop()
+        if id(link) in seen:
+            continue
+        seen.add(id(link))
+        link.__traceback__ = None
+        pending += [e for e in (link.__cause__, link.__context__) if e is not None]
+        if isinstance(link, BaseExceptionGroup):
+            pending += link.exceptions
+    return error
