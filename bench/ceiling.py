@@ -5,6 +5,10 @@ answers every request with a fixed chat-completion JSON body — no Quart, no re
 
 `bench.overhead` runs it as a process of its own and loads it like relay (section 2):
 what relay does per request is everything between this and its own figure.
+
+``POST /stream`` is the stack's floor for a queued streamed request (section 6): an SSE
+answer held open with a waiting notice every 2 s, as relay sends one to each request
+queued on a lane, and nothing else — what hypercorn and trio alone hold per stream.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ BODY = json.dumps({
     "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
 }, separators=(",", ":")).encode()
 HEADERS = [(b"content-type", b"application/json"), (b"content-length", str(len(BODY)).encode())]
+WAITING = b": waiting, starts when earlier requests finish (running 1/1, queued 10000, 2 s)\n\n"
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -39,6 +44,12 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         return
     while (await receive()).get("more_body"):  # the request body, read whole
         pass
+    if scope["path"] == "/stream":
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        while True:
+            await send({"type": "http.response.body", "body": WAITING, "more_body": True})
+            await trio.sleep(2.0)
     await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
     await send({"type": "http.response.body", "body": BODY})
 

@@ -19,10 +19,11 @@ Responses); 2. throughput at concurrency 32, beside the raw-ASGI ceiling (bench/
 non-stream on a slow upstream, and queued in a 1-lane provider); 5. start-up time and RSS;
 6. streamed requests queued on one lane, each getting its waiting notices (bench/queued.py):
 RSS, and the grant of the next waiter with 100 and with 10,000 queued (``--queued N``;
-``--quick``: 2,000); 7. a shared-lane slot over a local one (bench/shared.py's parts 1-2,
-on a redis-server it starts itself; "NOT MEASURED" without one). Every figure is printed
-with its target (issue 16), beside the direct call measured in the same run. The bench
-raises its own open-file limit.
+``--quick``: 2,000), beside the stack's own memory for as many streams (hypercorn and a
+raw ASGI app sending the same notices: bench/ceiling.py's ``/stream``); 7. a shared-lane
+slot over a local one (bench/shared.py's parts 1-2, on a redis-server it starts itself;
+"NOT MEASURED" without one). Every figure is printed with its target (issue 16), beside
+the direct call measured in the same run. The bench raises its own open-file limit.
 ``--profile`` then runs a second daemon under cProfile (``--serve-relay-profiled``;
 profiling on only during the load window, toggled by SIGUSR1/SIGUSR2) for the c=32
 non-stream and SSE loads, and prints the top functions.
@@ -537,6 +538,7 @@ async def _read_stderr(child: Child, announced: trio.Event | None) -> None:
 async def start_ceiling(nursery: trio.Nursery, tmp: Path) -> tuple[Child, Target]:
     """hypercorn serving a raw ASGI JSON answer (bench/ceiling.py), in its own process."""
     portfile = trio.Path(tmp / "ceiling.json")
+    await portfile.unlink(missing_ok=True)  # (one left by an earlier ceiling: not this one's)
     proc = await spawn([PY, "-m", "bench.ceiling", str(portfile)], cwd=ROOT,
                        stdin=subprocess.PIPE)
     child = Child("the raw-ASGI ceiling", proc)
@@ -550,6 +552,39 @@ async def start_ceiling(nursery: trio.Nursery, tmp: Path) -> tuple[Child, Target
         await trio.sleep(0.01)
     await child.stop()
     raise child.failure("did not start")
+
+
+async def measure_floor(nursery: trio.Nursery, tmp: Path, count: int) -> dict[str, Any]:
+    """The stack's own memory for ``count`` queued streams: hypercorn and a raw ASGI app
+    (bench/ceiling.py's ``/stream``) holding each open with a waiting notice every 2 s, as
+    relay's queued requests get. RSS idle and with all of them open."""
+    from bench.queued import OPEN_WINDOW, _until
+
+    child, target = await start_ceiling(nursery, tmp)
+    streams: list[trio.SocketStream] = []
+    try:
+        idle = rss_mib(child.pid)
+        window = trio.Semaphore(OPEN_WINDOW)  # (as bench.queued: the listen queue holds)
+        raw = http_request("POST", target.hostport, "/stream", b"{}")
+
+        async def first_notice(stream: trio.SocketStream) -> None:
+            try:
+                await _until(stream, b": waiting", 30.0)
+            finally:
+                window.release()
+
+        async with trio.open_nursery() as openers:
+            for _ in range(count):
+                await window.acquire()
+                streams.append(await trio.open_tcp_stream(target.host, target.port))
+                await streams[-1].send_all(raw)
+                openers.start_soon(first_notice, streams[-1])
+        held = rss_mib(child.pid)
+    finally:
+        for stream in streams:
+            await stream.aclose()
+        await child.stop()
+    return {"count": count, "rss_idle": idle, "rss_held": held}
 
 
 async def measure_queued(nursery: trio.Nursery, tmp: Path, sizes: Sizes) -> dict[str, Any]:
@@ -973,6 +1008,7 @@ async def run_bench(sizes: Sizes, pinned: bool, profile: bool, tmp: Path) -> dic
 
             note(f"6. {QUEUED_FEW} then {sizes.queued_many:,} streams queued on one lane")
             results["queued"] = await measure_queued(nursery, tmp, sizes)
+            results["queued"]["floor"] = await measure_floor(nursery, tmp, sizes.queued_many)
 
             note("7. a shared-lane slot over a local one (a redis-server of its own)")
             results["shared_slot"] = await measure_shared_slot(tmp, sizes)
@@ -1305,6 +1341,20 @@ def render(results: dict[str, Any]) -> tuple[str, list[bool]]:
     if len(q["few"]) > 1:
         lines.append(f"  grant with {few['count']} queued, every try: " + ", ".join(
             f"{f['grant_ms']:.1f}" for f in q["few"]) + " ms (the median above)")
+    floor = q.get("floor")
+    if floor is not None:  # the stack's own part, as the ceiling is for throughput
+        n = floor["count"]
+        stack = floor["rss_held"]["VmRSS"] - floor["rss_idle"]["VmRSS"]
+        relay_each = (many["rss_queued"]["VmRSS"] - q["rss_idle"]["VmRSS"]) * 1024 / n
+        best = q["rss_idle"]["VmRSS"] + stack
+        left = (TARGETS["queued_rss_mib"] - best) * 1024 / n
+        lines.append(f"  the stack alone (hypercorn + a raw ASGI app, bench/ceiling.py /stream), "
+                     f"the same {n:,} streams and notices: +{stack:.1f} MiB "
+                     f"({stack * 1024 / n:.1f} KiB each); relay holds {relay_each:.1f} KiB "
+                     "each" + (f". relay's idle + the stack's = {best:.1f} MiB, which leaves "
+                               f"{left:.1f} KiB a stream of the "
+                               f"{TARGETS['queued_rss_mib']:g} MB target for all relay "
+                               "holds per queued request" if full else ""))
 
     slot = results.get("shared_slot")
     lines += ["", "7. a shared-lane slot (SPEC L11) over a local one, in one process: "
