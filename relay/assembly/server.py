@@ -73,7 +73,6 @@ class BoundedWriteTCPServer(TCPServer):
         self.idle_task = self  # type: ignore[assignment]
         self._live = live if live is not None else set()
         self._idle = False
-        self._terminating = False
         self._idle_deadline = math.inf  # the reader's deadline: set while idle
         self._reading: trio.CancelScope | None = None  # the reader's wait, while it waits
 
@@ -111,8 +110,8 @@ class BoundedWriteTCPServer(TCPServer):
         await trio.lowlevel.checkpoint_if_cancelled()
 
     def terminate(self) -> None:
-        """relay is draining: an idle connection closes now, a busy one once idle."""
-        self._terminating = True
+        """relay is draining (``context.terminated`` is set): an idle connection closes
+        now, a busy one once idle."""
         if self._idle:
             self._set_idle(True)
 
@@ -121,7 +120,7 @@ class BoundedWriteTCPServer(TCPServer):
         self._idle = idle
         if not idle:
             self._idle_deadline = math.inf
-        elif self._terminating or self.context.terminated.is_set():
+        elif self.context.terminated.is_set():
             self._idle_deadline = -math.inf
         else:
             self._idle_deadline = trio.current_time() + self.config.keep_alive_timeout

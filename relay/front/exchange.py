@@ -30,7 +30,7 @@ import trio
 from relay.dialects.base import Dialect
 from relay.engine.engine import Engine
 from relay.engine.stops import RequestStop
-from relay.vocab.errors import RelayError
+from relay.vocab.errors import RelayError, untraced
 from relay.vocab.records import Record
 
 from .asgi import Message, Receive, Scope, Send, send_error, send_json
@@ -215,14 +215,11 @@ class Exchange:
             try:
                 handler.prepare(self, body)
             except RelayError as exc:
-                refused = exc
+                refused = untraced(exc)  # kept as data: a traceback would hold this frame
             if refused is not None:
-                try:
-                    self.fail(refused)
-                    self._refused = True  # nothing ran: the record is final
-                    await self.send_error(refused)
-                finally:
-                    refused = None  # its traceback holds this frame: no cycle left behind
+                self.fail(refused)
+                self._refused = True  # nothing ran: the record is final
+                await self.send_error(refused)
             else:
                 self.advance(Phase.RUNNING)
                 await self._run(handler)
