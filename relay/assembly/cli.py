@@ -364,4 +364,18 @@ def _status(daemon: _Daemon) -> int:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    records = body.get("records")
+    if isinstance(records, dict):  # (absent from a daemon older than issue 29)
+        print(describe_records(records))
     return 0
+
+
+def describe_records(r: dict[str, Any]) -> str:
+    """The ``records`` entry of the status as one line for ``relay status``."""
+    if not r.get("path"):
+        return "records: off"
+    dropped = f"; {r['dropped']} dropped since relay started" if r.get("dropped") else ""
+    if r.get("writing"):
+        return f"records: {r['path']} (writing){dropped}"
+    return (f"records: NOT WRITTEN to {r['path']} since {r.get('failing_since')}: "
+            f"{r.get('reason')}; {r.get('kept_back')} kept back in memory{dropped}")

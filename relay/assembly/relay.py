@@ -58,6 +58,7 @@ async def open_relay(config: Config, *, discover: bool = True,
                 for provider in relay.providers.values():
                     nursery.start_soon(providers.discover, provider)
             nursery.start_soon(serve_checks, relay)
+            nursery.start_soon(records.serve_retries)  # a failing records file (SPEC O5)
             try:
                 yield relay
             finally:

@@ -98,8 +98,9 @@ async def _model(relay: Engine, model: str) -> dict[str, Any] | RelayError:
 
 
 async def _status(relay: Engine) -> dict[str, Any]:
+    # Built without a checkpoint from one provider set: a reload swaps it whole (SPEC L10).
     return {"providers": {name: p.status(relay.clock) for name, p in relay.providers.items()},
-            "draining": relay.draining}
+            "draining": relay.draining, "records": relay.records.status()}
 
 
 _ANSWERS: dict[str, Callable[..., Awaitable[dict[str, Any] | RelayError]]] = {

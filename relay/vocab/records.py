@@ -24,15 +24,24 @@ Writing. Each record goes out with one unbuffered ``write(2)`` (an ``O_APPEND``
 descriptor, no user-space buffer) inside the call that ends its request: nothing is
 batched or held back in normal operation, so well inside the 50 ms SPEC O5 allows, and a
 kill -9 loses no record that had been written. Faults never touch serving; each is
-logged once (and once more when it is over), not per record:
+logged once as an ERROR (and once more, a WARNING, when it is over), not per record, and
+shown in ``GET /relay/v1/status`` (``records``: writing, failing since, why, how many
+kept back, how many dropped):
 
 - a full disk (ENOSPC), a read-only file or file system, a directory (or anything not a
-  regular file) at the path, a missing parent that cannot be made: the records are kept
-  back in memory (up to ``BACKLOG_MAX_BYTES``; beyond, the oldest are dropped and
-  counted), writing is retried every ``RETRY_S`` when a record arrives (and once at
-  close), and everything kept back is written, in order, when it works again;
-- a write cut short by a full disk is undone (truncated back), so the file never keeps
-  half a record;
+  regular file) at the path, a missing parent that cannot be made, a directory removed
+  while relay runs (it is made at start only): the records are kept back in memory, in
+  order. The backlog is bounded by ``BACKLOG_MAX_BYTES`` (4 MiB, some 4,000-10,000
+  records): beyond, the oldest are dropped, counted, said once in the log, and the count
+  logged when writing resumes and kept in the status. Writing is retried every
+  ``RETRY_S``, by a task of relay's own (`serve_retries`) and when a record arrives;
+- when space comes back, whatever is kept back is written oldest first, as many whole
+  lines as the file system takes, and the rest as space allows: a write cut short by a
+  full disk keeps the whole lines that made it and truncates away the part of the next,
+  so the file never keeps half a record (issue 29: the backlog was written as one block
+  and undone whole, again and again, when it did not fit all at once);
+- at stop (SIGTERM, the end of ``open_relay``), one last try writes whatever fits; what
+  does not is dropped, and the log says how many;
 - a file whose last line has no newline (a kill -9 or a crash mid-write): the next record
   starts on a new line, never glued onto the fragment; readers should skip a line that
   does not parse;
@@ -61,6 +70,10 @@ import trio
 from .redact import redact_obj
 
 __all__ = ["Attempt", "Clock", "Record", "RecordWriter"]
+
+# layers: long because the writer keeps every fault of its file (a full disk, a short
+# write, read-only, vanished, rotation) in one place, beside the record it writes; a
+# split would move code that another branch edits (issue 29, merged in parallel).
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +173,7 @@ class RecordWriter:
     """
 
     RETRY_S = 0.5                      # while the file cannot be written: retry this often
-    BACKLOG_MAX_BYTES = 4 * 1024 * 1024  # what is kept back meanwhile; older ones are lost
+    BACKLOG_MAX_BYTES = 4 * 1024 * 1024  # what is kept back meanwhile; older ones are dropped
 
     def __init__(self, path: Path | None, *, max_bytes: int, keep: int, clock: Clock) -> None:
         self.path = path
@@ -171,12 +184,17 @@ class RecordWriter:
         self._id: tuple[int, int] | None = None  # (st_dev, st_ino) of the open file
         self._size = 0                  # its length, as far as we wrote it
         self._newline = False           # it does not end with a newline: start one first
+        self._made_parent = False       # the directory is made at the first open only
         self._backlog: deque[bytes] = deque()  # lines not written yet (a fault)
         self._backlog_bytes = 0
-        self._lost = 0                  # lines dropped from a full backlog in this fault
-        self._kept = 0                  # lines kept back in this fault
         self._fault: str | None = None  # what is wrong, while records cannot be written
+        self._failing_since: float | None = None  # time.time() the fault began
+        self._kept = 0                  # lines kept back in this fault
+        self._late = 0                  # ... of which written since (space came back)
+        self._lost = 0                  # ... of which dropped from a full backlog
+        self._dropped = 0               # lines dropped since relay started (any fault)
         self._retry_at = 0.0            # time.monotonic() of the next attempt
+        self._wake = trio.Event()       # set when a fault begins (`serve_retries`)
         self._closed = False
         self.recent: list[dict[str, Any]] = []  # the last few, for status and tests
         self.relay_id: str | None = None  # this relay's name (SPEC 9), set by the engine
@@ -188,6 +206,17 @@ class RecordWriter:
     def fault(self) -> str | None:
         """Why records cannot be written right now (None: they are)."""
         return self._fault
+
+    def status(self) -> dict[str, Any]:
+        """The ``records`` entry of ``GET /relay/v1/status``: where records go, whether
+        they are being written and, while not, since when, why, how many are kept back
+        in memory; and how many were dropped since relay started."""
+        since = self._failing_since
+        return {"path": None if self.path is None else str(self.path),
+                "writing": self.path is not None and self._fault is None,
+                "failing_since": None if since is None else _iso_wall(since),
+                "reason": self._fault, "kept_back": len(self._backlog),
+                "dropped": self._dropped}
 
     def write(self, record: Record) -> None:
         if record.relay_id is None:
@@ -208,16 +237,43 @@ class RecordWriter:
         self._backlog_bytes += len(data)
         if self._fault is not None:
             self._kept += 1
-            while self._backlog_bytes > self.BACKLOG_MAX_BYTES and len(self._backlog) > 1:
-                self._backlog_bytes -= len(self._backlog.popleft())
-                self._lost += 1
+            self._bound_backlog()
             if time.monotonic() < self._retry_at:
                 return
         self._flush()
 
+    async def serve_retries(self) -> None:
+        """While records cannot be written, try again every ``RETRY_S`` even when no
+        request ends, so writing resumes (and the status says so) as soon as the fault is
+        over. Runs until cancelled, in relay's own nursery."""
+        while True:
+            if self._fault is None or self._closed:
+                await self._wake.wait()
+                self._wake = trio.Event()
+                continue
+            await trio.sleep(max(0.0, self._retry_at - time.monotonic()))
+            if (self._fault is not None and not self._closed
+                    and time.monotonic() >= self._retry_at):
+                self._flush()
+
+    def _bound_backlog(self) -> None:
+        """Keep at most ``BACKLOG_MAX_BYTES`` back (always the newest line): the oldest go
+        first, counted, and said once per fault."""
+        while self._backlog_bytes > self.BACKLOG_MAX_BYTES and len(self._backlog) > 1:
+            self._backlog_bytes -= len(self._backlog.popleft())
+            if not self._lost:
+                logger.error("more than %d KiB of request records are kept back for %s: "
+                             "the oldest are dropped from now on (counted; the count is "
+                             "logged when writing resumes or relay stops)",
+                             self.BACKLOG_MAX_BYTES // 1024, self.path)
+            self._lost += 1
+            self._dropped += 1
+
     def _flush(self) -> None:
-        """Write what is pending; on an error keep it and note the fault (never raises:
-        serving goes on whatever the disk does)."""
+        """Write what is pending, oldest first, as many whole lines as the file takes; on
+        an error keep the rest and note the fault (never raises: serving goes on whatever
+        the disk does)."""
+        late = self._late
         try:
             while self._backlog:
                 self._open()
@@ -226,11 +282,23 @@ class RecordWriter:
                 if self._size + size > self.max_bytes and self._size > 0:
                     self._rotate()
                     continue
-                self._append(b"".join(batch))
-                for _ in batch:
+                done, error = self._append(batch)
+                for _ in range(done):
                     self._backlog_bytes -= len(self._backlog.popleft())
+                if self._fault is not None:
+                    self._late += done
+                if error is not None:
+                    if done:
+                        # Cut short by a full disk after some whole lines: what is left
+                        # of its last block may still take the next (smaller) ones.
+                        continue
+                    raise error
         except OSError as exc:
             self._failed(exc)
+            if self._late > late:   # some space came back, not enough for all
+                logger.warning("request records: %d kept back went into %s, %d are "
+                               "still kept back (%s)", self._late - late, self.path,
+                               len(self._backlog), self._fault)
         else:
             self._recovered()
 
@@ -246,7 +314,12 @@ class RecordWriter:
         return batch, size
 
     def _open(self) -> None:
-        """Open the file if it is not, or again if it was moved, removed or replaced."""
+        """Open the file if it is not, or again if it was moved, removed or replaced.
+
+        The directory is made at the first open only: one removed later (a cleaned-up
+        folder, an unmounted disk) is a fault until it is back, not a new directory made
+        where nobody looks (issue 29).
+        """
         assert self.path is not None
         if self._fd is not None:
             try:
@@ -256,7 +329,10 @@ class RecordWriter:
             except FileNotFoundError:
                 pass
             self._close_fd()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._made_parent:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        elif not self.path.parent.is_dir():
+            raise OSError(errno.ENOENT, f"its directory {self.path.parent} was removed")
         # Nothing at the path (a FIFO, a device) may block the loop in open(): read-write
         # and non-blocking; what is not a regular file is refused just below.
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
@@ -272,29 +348,43 @@ class RecordWriter:
             os.close(fd)
             raise
         self._fd, self._id, self._size = fd, (st.st_dev, st.st_ino), st.st_size
+        self._made_parent = True
 
-    def _append(self, data: bytes) -> None:
-        """One write of whole lines; a short write (a full disk) is undone, so the file
-        never keeps half a record."""
+    def _append(self, batch: list[bytes]) -> tuple[int, OSError | None]:
+        """One write of whole lines. Cut short (a full disk: ``write(2)`` takes what fits,
+        then refuses), the whole lines that made it stay and the part of the next is
+        truncated away, so the file never keeps half a record.
+
+        Returns:
+            how many of ``batch`` are in the file, and the error that stopped the rest.
+        """
         assert self._fd is not None
-        if self._newline:
-            data = b"\n" + data
+        lead = b"\n" if self._newline else b""
+        data = lead + b"".join(batch)
         start = self._size
+        written = 0
         view = memoryview(data)
         try:
-            while view:
-                n = os.write(self._fd, view)
-                view = view[n:]
+            while written < len(data):
+                n = os.write(self._fd, view[written:])
+                written += n
                 self._size += n
-        except OSError:
-            if self._size > start:
-                try:
-                    os.ftruncate(self._fd, start)
-                    self._size = start
-                except OSError:
-                    self._newline = True  # could not undo it: the next line starts anew
-            raise
-        self._newline = False
+        except OSError as exc:
+            error = exc
+        else:
+            self._newline = False
+            return len(batch), None
+        whole = data.rfind(b"\n", 0, written) + 1   # the bytes of whole lines (0: none)
+        if self._size > start + whole:
+            try:
+                os.ftruncate(self._fd, start + whole)
+                self._size = start + whole
+            except OSError:
+                self._newline = True  # could not undo it: the next line starts anew
+                return data.count(b"\n", len(lead), whole), error
+        if whole:
+            self._newline = False
+        return data.count(b"\n", len(lead), whole), error
 
     def _rotate(self) -> None:
         assert self.path is not None
@@ -314,24 +404,30 @@ class RecordWriter:
         what = f"{exc.strerror or exc}" + (f" ({errno.errorcode.get(exc.errno, exc.errno)})"
                                            if exc.errno else "")
         if self._fault is None:
-            self._kept = len(self._backlog)
+            self._kept, self._late, self._lost = len(self._backlog), 0, 0
+            self._failing_since = time.time()
+            self._wake.set()
         if what != self._fault:  # once per fault, not once per record
-            logger.warning("cannot write request records to %s: %s. Serving goes on; "
-                           "records are kept back (up to %d KiB) and written when this "
-                           "works again (tried every %g s).", self.path, what,
-                           self.BACKLOG_MAX_BYTES // 1024, self.RETRY_S)
+            # ERROR: every request's record is at stake (issue 29: a WARNING was missed).
+            logger.error("cannot write request records to %s: %s. Serving goes on; "
+                         "records are kept back in memory (up to %d KiB, then the oldest "
+                         "are dropped and counted) and written, oldest first, when this "
+                         "works again (tried every %g s).", self.path, what,
+                         self.BACKLOG_MAX_BYTES // 1024, self.RETRY_S)
         self._fault = what
         self._retry_at = time.monotonic() + self.RETRY_S
 
     def _recovered(self) -> None:
         if self._fault is None:
             return
-        lost = (f"; {self._lost} older ones were lost (more than "
+        assert self._failing_since is not None
+        lost = (f"; {self._lost} older ones were dropped (more than "
                 f"{self.BACKLOG_MAX_BYTES // 1024} KiB kept back)" if self._lost else "")
-        logger.warning("request records are written to %s again (after: %s): %d kept "
-                       "back were written%s", self.path, self._fault, self._kept - self._lost,
-                       lost)
-        self._fault, self._lost, self._kept = None, 0, 0
+        logger.warning("request records are written to %s again (after %s, for %.1f s): "
+                       "%d kept back were written%s", self.path, self._fault,
+                       time.time() - self._failing_since, self._late, lost)
+        self._fault, self._failing_since = None, None
+        self._kept = self._late = self._lost = 0
 
     def _close_fd(self) -> None:
         if self._fd is not None:
@@ -342,13 +438,28 @@ class RecordWriter:
                 pass
 
     def close(self) -> None:
-        """Write what was kept back (one last try), then close the file."""
+        """Write what was kept back (one last try: as many whole lines as fit, oldest
+        first), count and log what could not be, then close the file."""
         if self._closed:
             return
         if self._backlog and self.path is not None:
             self._flush()
             if self._backlog:
-                logger.error("%d request records could not be written to %s (%s)",
-                             len(self._backlog), self.path, self._fault)
+                left = len(self._backlog)
+                self._dropped += left
+                logger.error("relay stops: %d request records kept back are dropped, "
+                             "%s cannot take them (%s); of %d kept back since %s, %d were "
+                             "written and %d dropped before (more than %d KiB kept back)",
+                             left, self.path, self._fault, self._kept,
+                             _iso_wall(self._failing_since or time.time()), self._late,
+                             self._lost, self.BACKLOG_MAX_BYTES // 1024)
+                self._backlog.clear()
+                self._backlog_bytes = 0
         self._closed = True
         self._close_fd()
+
+
+def _iso_wall(stamp: float) -> str:
+    """A ``time.time()`` as ISO 8601 UTC, to the millisecond (as records' times)."""
+    return dt.datetime.fromtimestamp(stamp, tz=dt.UTC).isoformat(
+        timespec="milliseconds").replace("+00:00", "Z")
