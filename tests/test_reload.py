@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 from conftest import chat, lane_idle, wait_for, with_upstream
+from trio.testing import wait_all_tasks_blocked
 from upstream import FakeUpstream, Script
 
 import relay
@@ -188,3 +190,62 @@ async def test_a_removed_providers_queued_requests_finish_on_its_retiring_adapte
     assert codes == [200, 200, 200, 200]
     await wait_for(lambda: handle.closed)   # then closed, once nothing is inside
     assert handle.attempts == 0
+
+
+async def test_a_file_with_no_provider_is_refused_and_changes_nothing(
+        nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient) -> None:
+    # Issue 29: a SIGHUP read the file while a script rewrote it, found it empty (a valid
+    # config with no providers), and relay served none until the next good reload.
+    path = tmp_path / "relay.toml"
+    path.write_text(BASE.format(lanes=2))
+    served = await start(nursery, path)
+    for text in ("", "[server]\nrecords = 'records.jsonl'\n"):
+        path.write_text(text)
+        r = await reload(client, served)
+        assert r.status_code == 400
+        assert "no provider is configured" in r.json()["error"]["message"]
+        assert list(served.relay.providers) == ["fake"] and stats(served)[2] == 2
+
+
+async def test_a_burst_of_signal_reloads_is_two_reloads(
+        tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+    # A SIGHUP while a reload waits its turn is covered by it (it reads the file when its
+    # turn comes); one that comes while a reload already reads gets one more.
+    path = tmp_path / "relay.toml"
+    path.write_text(BASE.format(lanes=2))
+    async with relay.open_relay(relay.load_config(path), discover=False) as r:
+        changes: list[list[str] | None] = []
+
+        async def signal_reload() -> None:
+            changes.append(await r.reload_from_file())
+
+        async with trio.open_nursery() as signals:
+            path.write_text(BASE.format(lanes=3))
+            signals.start_soon(signal_reload)
+            await wait_all_tasks_blocked()        # the first one reads the file
+            for _ in range(99):
+                signals.start_soon(signal_reload)
+        assert changes.count(None) == 98
+        first, second = (c for c in changes if c is not None)
+        assert any("lanes 2→3" in line for line in first) and second == []
+        assert r.providers["fake"].lane.statistics().capacity == 3
+
+
+async def test_a_file_that_keeps_changing_is_refused(
+        tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+    path = tmp_path / "relay.toml"
+    path.write_text(BASE.format(lanes=2))
+    async with relay.open_relay(relay.load_config(path), discover=False) as r:
+        async with trio.open_nursery() as nursery:
+            async def keep_writing() -> None:
+                for n in range(1000):
+                    path.write_text(BASE.format(lanes=3) + "#" * n)  # a new size each
+                    await trio.sleep(r.SETTLE_S / 3)
+
+            nursery.start_soon(keep_writing)
+            start = trio.current_time()
+            with pytest.raises(relay.ConfigError, match="kept changing for 2 s"):
+                await r.reload()
+            assert trio.current_time() - start == pytest.approx(r.SETTLE_MAX_S, abs=0.1)
+            nursery.cancel_scope.cancel()
+        assert r.providers["fake"].lane.statistics().capacity == 2

@@ -212,12 +212,13 @@ async def run_daemon(config: Config) -> None:
                 logger.warning("SIGHUP before relay was listening: ignored")
                 return
             try:
-                changes = await running.relay.reload()
+                changes = await running.relay.reload_from_file()
             except ConfigError as exc:
                 logger.error("SIGHUP: the config has problems; nothing changed:\n  %s",
                              "\n  ".join(exc.problems))
             else:
-                logger.info("SIGHUP: reloaded (%s)", "; ".join(changes) or "no changes")
+                if changes is not None:  # (None: a reload waiting its turn covers it)
+                    logger.info("SIGHUP: reloaded (%s)", "; ".join(changes) or "no changes")
 
         async def run_server(task_status: trio.TaskStatus[Any]) -> None:
             await serve(config, shutdown=shutdown, task_status=task_status)

@@ -10,7 +10,9 @@ live) by the assembly (`relay.assembly.relay.open_relay`), which adds the HTTP f
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import trio
 
@@ -18,7 +20,7 @@ from relay.api.adapter import Adapter
 from relay.config import Config, load_config
 from relay.engine.lanes import Lane
 from relay.vocab import redact
-from relay.vocab.errors import RelayError
+from relay.vocab.errors import ConfigError, RelayError
 from relay.vocab.profile import ProviderConfig
 from relay.vocab.records import RecordWriter
 
@@ -39,6 +41,9 @@ Registry = Mapping[str, "type[Adapter]"]
 class Engine:
     """A running relay's state and operations. See the module docstring."""
 
+    SETTLE_S = 0.05      # a config file must stay unchanged this long to be read (reload)
+    SETTLE_MAX_S = 2.0   # ... and a file that keeps changing longer is refused
+
     def __init__(self, config: Config, registry: Registry, records: RecordWriter,
                  nursery: trio.Nursery) -> None:
         self.config = config
@@ -53,6 +58,7 @@ class Engine:
         self.idle.set()
         self.reloaded = trio.Event()  # set (and replaced) on every reload
         self._reload_lock = trio.Lock()
+        self._signal_reload_waiting = False  # a SIGHUP's reload waits for the lock
         self.responses = ResponseStore()  # /v1/responses' store (SPEC A7): in memory only
         # SPEC L11: the shared lanes' server, when any provider is shared.
         self.coordinator: Coordinator | None = None
@@ -106,7 +112,12 @@ class Engine:
         the current one came from is read again.
 
         New adapters are opened first; only then is anything changed, in one synchronous
-        step, so a reload is applied whole or not at all.
+        step (the provider set is a new dict swapped in whole, with no checkpoint between
+        its parts), so a reload is applied whole or not at all, and a status built
+        between two checkpoints sees the old set or the new one. The file is read only
+        once it has stayed unchanged for ``SETTLE_S`` (`_read_config`), and a config with
+        no provider is refused: issue 29's status with no providers was a file read while
+        it was being rewritten in place.
 
         Returns:
             what changed, one line each.
@@ -115,28 +126,85 @@ class Engine:
             ConfigError: the new config is invalid; nothing changed.
         """
         async with self._reload_lock:
-            if config is None:
-                config = load_config(self.config.source, self.registry,
+            return await self._reload_locked(config)
+
+    async def reload_from_file(self) -> list[str] | None:
+        """A reload a signal asked for (SIGHUP): `reload` from the file, except that while
+        one such reload waits its turn, more signals are covered by it (it reads the file
+        as it is when its turn comes), so a burst of 100 SIGHUPs is two reloads, not 100.
+
+        Returns:
+            what changed, or None when a waiting reload covers this one.
+
+        Raises:
+            ConfigError: the file is invalid; nothing changed.
+        """
+        if self._signal_reload_waiting:
+            return None
+        self._signal_reload_waiting = True
+        started = False
+        try:
+            async with self._reload_lock:
+                self._signal_reload_waiting, started = False, True
+                return await self._reload_locked(None)
+        finally:
+            if not started:  # cancelled while waiting: the next signal must not be lost
+                self._signal_reload_waiting = False
+
+    async def _read_config(self) -> Config:
+        """The config file, read only when it has not changed for ``SETTLE_S`` before and
+        while it was read (its inode, size, mtime and ctime the same).
+
+        Issue 29: a SIGHUP that read the file while a script rewrote it in place (truncate,
+        then write) found it empty — a valid config with no providers — and relay served
+        none until the next good reload. A file rewritten in place is half written for a
+        moment; a writer that pauses longer than ``SETTLE_S`` in the middle can still be
+        caught (an empty result is refused by `_reload_locked`); writing a temporary file
+        and renaming it over the config, as most editors do, is never caught.
+
+        Raises:
+            ConfigError: the file is invalid, or kept changing for ``SETTLE_MAX_S``.
+        """
+        path = Path(self.config.source)
+        with trio.move_on_after(self.SETTLE_MAX_S):
+            while True:
+                before = _identity(path)
+                await trio.sleep(self.SETTLE_S)
+                config = load_config(path, self.registry,
                                      server_overrides=self.config.server_overrides)
-            # 1. Open what the new config needs (the only awaits), shielded and bounded:
-            # a client that leaves mid-reload must not leave it half done.
-            fresh: dict[str, AdapterHandle] = {}
-            try:
-                # (noqa, ASYNC912: a reload that opens no new adapter has nothing to await.)
-                with trio.CancelScope(shield=True), trio.fail_after(30):  # noqa: ASYNC912
-                    for name, pconf in config.providers.items():
-                        current = self.providers.get(name)
-                        if current is None or _needs_new_adapter(current.config, pconf):
-                            fresh[name] = await self._open_adapter(pconf)
-            except BaseException:
-                for handle in fresh.values():
-                    handle.retire()
-                raise
-            # 2. Apply it all at once.
-            changes = self._apply(config, fresh)
-            logger.info("config reloaded from %s: %s", config.source,
-                        "; ".join(changes) or "no changes")
-            return changes
+                if _identity(path) == before:
+                    return config
+        raise ConfigError([f"{path}: it kept changing for {self.SETTLE_MAX_S:g} s while "
+                           "relay read it; nothing changed. Reload again once it is "
+                           "saved."])
+
+    async def _reload_locked(self, config: Config | None) -> list[str]:
+        if config is None:
+            config = await self._read_config()
+        if not config.providers and self.providers:
+            raise ConfigError([f"{config.source}: no provider is configured; a reload "
+                               "never leaves relay with none (a file read while it is "
+                               "being rewritten looks like this). Nothing changed; "
+                               "restart relay to run it without providers."])
+        # 1. Open what the new config needs (the only awaits), shielded and bounded:
+        # a client that leaves mid-reload must not leave it half done.
+        fresh: dict[str, AdapterHandle] = {}
+        try:
+            # (noqa, ASYNC912: a reload that opens no new adapter has nothing to await.)
+            with trio.CancelScope(shield=True), trio.fail_after(30):  # noqa: ASYNC912
+                for name, pconf in config.providers.items():
+                    current = self.providers.get(name)
+                    if current is None or _needs_new_adapter(current.config, pconf):
+                        fresh[name] = await self._open_adapter(pconf)
+        except BaseException:
+            for handle in fresh.values():
+                handle.retire()
+            raise
+        # 2. Apply it all at once.
+        changes = self._apply(config, fresh)
+        logger.info("config reloaded from %s: %s", config.source,
+                    "; ".join(changes) or "no changes")
+        return changes
 
     def _apply(self, config: Config, fresh: dict[str, AdapterHandle]) -> list[str]:
         changes: list[str] = []
@@ -264,6 +332,15 @@ class Engine:
         # (+5 s: a CLI tool's kill and reap after its grace.)
         with trio.move_on_after(grace + 5.0):
             await self.idle.wait()
+
+
+def _identity(path: Path) -> tuple[int, int, int, int] | None:
+    """What changes when a file is written or replaced (None: it cannot be read)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _needs_new_adapter(old: ProviderConfig, new: ProviderConfig) -> bool:
