@@ -503,3 +503,34 @@ async def test_a_partly_freed_disk_takes_what_fits_and_sigterm_counts_the_rest(
         assert text.count("cannot write request records") == 1, text
         assert "ERROR" in text.split("cannot write request records")[0].rsplit("\n", 1)[-1]
         assert "kept back went into" in text
+
+
+def test_at_close_what_fits_is_written_and_the_rest_counted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Space comes back just before relay stops, with no retry in between: the last try at
+    # close writes as many whole records as fit, oldest first, and counts the rest.
+    async def main() -> None:
+        with small_fs(tmp_path / "fs", "64k") as fs:
+            path = fs / "records.jsonl"
+            writer = RecordWriter(path, max_bytes=1 << 20, keep=1, clock=Clock())
+            writer.RETRY_S = 3600.0   # only close() tries again
+            writer.write(_record(0))
+            filler = fill(fs)
+            for n in range(1, 400):
+                writer.write(_record(n))
+            assert writer.fault is not None and "ENOSPC" in writer.fault
+            before = len(parsed(path))
+            status = writer.status()
+            assert status["writing"] is False and status["kept_back"] == 400 - before
+            os.truncate(filler, filler.stat().st_size - 4096)   # one page back
+            writer.close()
+            ids = [r["id"] for r in parsed(path)]
+            assert ids == [f"r{n}" for n in range(len(ids))] and len(ids) > before
+            told = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR
+                    and "relay stops" in r.getMessage()]
+            assert len(told) == 1, told
+            assert told[0].startswith(f"relay stops: {400 - len(ids)} request records "
+                                      "kept back are dropped"), told
+            assert writer.status()["dropped"] == 400 - len(ids)
+
+    trio.run(main)

@@ -367,6 +367,8 @@ class RecordWriter:
         try:
             while written < len(data):
                 n = os.write(self._fd, view[written:])
+                if n == 0:  # (never seen on a regular file; never loop on it)
+                    raise OSError(errno.ENOSPC, "the file took no more bytes")
                 written += n
                 self._size += n
         except OSError as exc:
