@@ -76,7 +76,7 @@ async def test_the_status_shows_config_a_or_b_through_a_reload_storm_under_load(
     proc, url = await start_serve(tmp_path, conf)
     seen: list[dict[str, int]] = []
     wrong: list[dict[str, int]] = []
-    answered = refused = 0
+    answered = refused = polls = 0
     log = bytearray()
     try:
         async with httpx.AsyncClient(trust_env=False, timeout=30) as client, \
@@ -87,8 +87,10 @@ async def test_the_status_shows_config_a_or_b_through_a_reload_storm_under_load(
                     log.extend(chunk)
 
             async def poll() -> None:
+                nonlocal polls
                 while True:   # back to back, no pause
                     r = await client.get(f"{url}/relay/v1/status")
+                    polls += 1
                     assert r.status_code == 200, r.text
                     now = shown(r.json())
                     if now not in (A, B):
@@ -147,6 +149,7 @@ async def test_the_status_shows_config_a_or_b_through_a_reload_storm_under_load(
                 await proc.wait()
     assert not wrong, f"the status showed {wrong[0]}"
     assert proc.returncode == 0
-    assert refused == ROUNDS and answered > 100, (refused, answered)
+    assert refused == ROUNDS and answered > 100 and polls > 20 * ROUNDS, (
+        refused, answered, polls)
     assert len(seen) >= ROUNDS, seen   # A and B took turns
     assert b"SIGHUP: the config has problems" in log   # the signals' reloads ran too
