@@ -173,7 +173,8 @@ class Coordinator:
                     # safe to run twice (the member says where it stands).
                     if not await self._reachable():
                         raise
-                    return await client.script(self._scripts[script], keys, args)
+                    again = await client.script(self._scripts[script], keys, args)
+                    return self._after_retry(script, again)
         except trio.TooSlowError as exc:
             client.reset()  # the server may be stuck (SIGSTOP): the next call connects anew
             self._down(f"no answer within {self.command_timeout_s:g} s")
@@ -181,6 +182,16 @@ class Coordinator:
         except _FOREIGN as exc:
             self._down(f"{type(exc).__name__}: {exc}")
             raise self.unavailable(provider) from exc
+
+    def _after_retry(self, script: str, reply: Any) -> Any:
+        """A script run again after its connection broke before the reply: the first run
+        may have landed. A RELEASE that then finds its slot ``gone`` released it the first
+        time, while this relay's lease still stands on the server (``renewed_at + lease``:
+        the server's leases end no sooner): not an expired lease."""
+        if (script == "RELEASE" and isinstance(reply, list) and reply and reply[0] == "gone"
+                and trio.current_time() < self.renewed_at + self.lease_s):
+            return ["released", *reply[1:]]
+        return reply
 
     async def claim_check(self, lane: str, interval_s: float) -> bool:
         """True when this relay runs the lane's interval check now (one relay per

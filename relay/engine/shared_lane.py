@@ -159,7 +159,7 @@ class SharedLane:
                 ok = await self._give_back("RELEASE", m) == "released"
             now = trio.current_time()
             m.ticket.released_at = now
-            m.ticket.lease_expired = not ok
+            m.ticket.lease_expired = m.lost or not ok  # (lost: the server took it back)
             if m.ticket.started_at is not None:
                 self._avg_run_s += 0.2 * ((now - m.ticket.started_at) - self._avg_run_s)
             self._maybe_idle()
