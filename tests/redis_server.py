@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["RedisServer", "redis_fixture", "require_redis"]
+__all__ = ["RedisServer", "Sentinel", "redis_fixture", "require_redis"]
 
 REDIS = shutil.which("redis-server") or shutil.which("valkey-server")
 
@@ -41,25 +41,29 @@ def _free_port() -> int:
 class RedisServer:
     """One ``redis-server`` child process; see the module docstring."""
 
-    def __init__(self, binary: str, workdir: Path, *, password: str | None = None) -> None:
+    def __init__(self, binary: str, workdir: Path, *, password: str | None = None,
+                 args: tuple[str, ...] = ()) -> None:
         self.binary = binary
         self.workdir = workdir
         self.port = _free_port()
         self.password = password
+        self.args = args  # more of redis-server's options (--replicaof, --aclfile, …)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    def argv(self) -> list[str]:
+        return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no",
+                *(["--requirepass", self.password] if self.password else []), *self.args]
+
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = (self.workdir / "redis.log").open("ab")
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no",
-             *(["--requirepass", self.password] if self.password else [])],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
         log.close()
         deadline = time.monotonic() + 10.0
         while True:  # bounded: until it answers PING
@@ -115,6 +119,35 @@ class RedisServer:
                     break
                 data += chunk
             return data.removeprefix(b"+OK\r\n") if auth else data
+
+
+class Sentinel(RedisServer):
+    """``redis-server FILE --sentinel`` watching ``primary`` as ``name`` (quorum 2; the
+    primary counts as down after 500 ms without an answer)."""
+
+    def __init__(self, binary: str, workdir: Path, primary_port: int, name: str = "lanes"
+                 ) -> None:
+        super().__init__(binary, workdir)
+        self.primary_port = primary_port
+        self.name = name
+
+    def argv(self) -> list[str]:
+        conf = self.workdir / "sentinel.conf"
+        conf.write_text(f"""port {self.port}
+bind 127.0.0.1
+dir {self.workdir}
+sentinel monitor {self.name} 127.0.0.1 {self.primary_port} 2
+sentinel down-after-milliseconds {self.name} 500
+sentinel failover-timeout {self.name} 3000
+sentinel parallel-syncs {self.name} 1
+""")
+        return [self.binary, str(conf), "--sentinel"]
+
+    def primary(self) -> int | None:
+        """The port this Sentinel names for the primary now."""
+        reply = self.command("SENTINEL", "get-master-addr-by-name", self.name)
+        parts = reply.split(b"\r\n")
+        return int(parts[4]) if reply.startswith(b"*2") else None
 
 
 @pytest.fixture(name="redis")

@@ -84,6 +84,10 @@ class Coordinator:
         self.channel_prefix = f"{prefix}:wake:"
         self.channel = self.channel_prefix + self.instance
         self.tick_s = lease_s / 4
+        self.ping_s = lease_s / 4  # the subscription's health: see `_listen`
+        self.subscription_renewals = 0  # silent subscriptions noticed (a test reads it)
+        self._subscription: tuple[resp.Subscription, trio.CancelScope] | None = None
+        self._silent = False  # the subscription did not answer its ping in time
         self.command_timeout_s = min(1.0, lease_s / 4)
         self.lanes: dict[str, CoordinatedLane] = {}
         self.available = False
@@ -270,6 +274,12 @@ class Coordinator:
     async def _renew_all(self, *, at_start: bool = False) -> None:
         if not self.available and not await self._reachable():
             return
+        if self._client is not None:
+            try:
+                self._follow(await self._client.follow_primary())
+            except resp.ConnectionLost as exc:
+                self._down(str(exc))
+                return
         sent = trio.current_time()
         for lane in list(self.lanes.values()):
             try:
@@ -304,23 +314,64 @@ class Coordinator:
 
     async def _listen(self) -> None:
         """This relay's wake-up channel: grants (``g member``) and the pacer's "ask
-        again in N ms" (``p lane ms``). A lost message costs one renewal tick."""
+        again in N ms" (``p lane ms``). A lost message costs one renewal tick.
+
+        Health: a PING on the subscription every ``ping_s / 2``, its pong due within
+        ``ping_s / 2``: a connection a NAT or a load balancer silently dropped is noticed
+        within one ping interval (``ping_s``), logged once, and subscribed again at once;
+        the renewal that follows makes up the wake-ups lost meanwhile. The subscription
+        is also made again when the Sentinels name another primary."""
+        first = True
         while True:
             if not await self._reachable():
                 await trio.sleep(DOWN_RETRY_S)
                 continue
             client = self._client
             assert client is not None
+            self._silent = False
             try:
-                async with client.subscribe(self.channel) as subscription:
+                async with client.subscribe(self.channel) as subscription, \
+                        trio.open_nursery() as nursery:
+                    self._subscription = (subscription, nursery.cancel_scope)
                     self.subscribed.set()
+                    if not first:
+                        self.renew_soon()  # wake-ups may have been lost meanwhile
+                    first = False
+                    nursery.start_soon(self._ping, subscription, nursery.cancel_scope)
                     while True:
                         self._message(await subscription.message())
-            except _FOREIGN as exc:  # (a stop, trio.Cancelled, passes through)
+            except* _FOREIGN as group:  # (a stop, trio.Cancelled, passes through)
                 logger.debug("shared lanes: the subscription ended (%r); renewals make up "
-                             "for lost wake-ups meanwhile", exc)
+                             "for lost wake-ups meanwhile", group.exceptions[0])
+            finally:
+                self._subscription = None
             self.subscribed = trio.Event()
-            await trio.sleep(DOWN_RETRY_S)
+            if not self._silent:
+                await trio.sleep(DOWN_RETRY_S)
+
+    async def _ping(self, subscription: resp.Subscription, scope: trio.CancelScope) -> None:
+        half = self.ping_s / 2
+        while True:
+            await trio.sleep(half)
+            seen = subscription.pongs
+            await subscription.ping()
+            with trio.move_on_after(half):
+                await subscription.pong(seen)
+                continue
+            self.subscription_renewals += 1
+            logger.warning("shared lanes: the wake-up subscription did not answer a ping "
+                           "within %g s (a connection dropped on the way?); subscribing "
+                           "again", half)
+            self._silent = True
+            scope.cancel()
+            return
+
+    def _follow(self, primary: tuple[str, int] | None) -> None:
+        """The Sentinels named ``primary``: a subscription elsewhere is made again."""
+        current = self._subscription
+        if primary is not None and current is not None and current[0].address not in (
+                None, primary):
+            current[1].cancel()
 
     def _message(self, data: str) -> None:
         kind, _, rest = data.partition(" ")

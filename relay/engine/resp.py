@@ -34,6 +34,7 @@ it may hold a password.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -49,7 +50,15 @@ from .resp_wire import ConnectionLost, Reader, RespError, encode
 
 __all__ = ["Client", "ConnectionLost", "RespError", "Script", "open_client", "parse_url"]
 
+logger = logging.getLogger(__name__)
+
 _TRANSPORT = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+# Replies of a server that is not (or not yet) a usable primary: a managed failover that
+# kept the name (READONLY: now a replica), a server loading its data (LOADING), a replica
+# that lost its primary (MASTERDOWN). They fail the connection like a broken socket: the
+# next command connects anew (and, through Sentinels, asks them where the primary is).
+FAILOVER_CODES = frozenset({"READONLY", "LOADING", "MASTERDOWN"})
 
 
 @attrs.frozen
@@ -102,6 +111,10 @@ class _Connection:
         if place.error is not None:
             raise ConnectionLost(str(place.error)) from place.error
         if isinstance(place.value, RespError):
+            if place.value.code in FAILOVER_CODES:  # not the primary (any more)
+                self.fail(ConnectionLost(f"the server is not a usable primary now "
+                                         f"({place.value})"))
+                raise ConnectionLost(str(self.broken)) from place.value
             raise place.value
         return place.value
 
@@ -188,6 +201,9 @@ class Client:
         self._name = name
         self._connection: _Connection | None = None
         self._connecting = trio.Lock()
+        self._sentinel: tuple[str, int] | None = None  # the Sentinel that answered last
+        self.primary: tuple[str, int] | None = None  # the primary they named last
+        self._connected_to: tuple[str, int] | None = None  # the command connection's
 
     async def execute(self, *args: Any) -> Any:
         """Send one command and return its reply.
@@ -230,8 +246,25 @@ class Client:
             if connection is not None:
                 self._connection = None
                 await connection.aclose()  # (a broken one's stream: closes even when cancelled)
-            connection = self._connection = _Connection(await self._open())
+            reader, self._connected_to = await self._open()
+            connection = self._connection = _Connection(reader)
             return connection
+
+    async def follow_primary(self) -> tuple[str, int] | None:
+        """Where the Sentinels say the primary is now (None: the URL names no Sentinels).
+        A connection to another server fails (the next command connects to the primary):
+        the old primary may take writes for a while after a failover.
+
+        Raises:
+            ConnectionLost: no Sentinel answers.
+        """
+        if not self._target.sentinels:
+            return None
+        found = await self._ask_sentinels()
+        if (self._connection is not None and self._connected_to is not None
+                and self._connected_to != found):
+            self._connection.fail(ConnectionLost("the Sentinels name another primary now"))
+        return found
 
     async def reachable(self) -> None:
         """Connect and close again: a plain socket, no set-up, no command (a stuck server
@@ -240,25 +273,66 @@ class Client:
         Raises:
             ConnectionLost: it cannot be connected to.
         """
-        await (await self._dial()).aclose()
+        await (await self._dial())[0].aclose()
 
-    async def _dial(self) -> trio.abc.Stream:
+    async def _dial(self) -> tuple[trio.abc.Stream, tuple[str, int] | None]:
+        """A connected stream, and the address it went to (a Sentinel's answer)."""
         t = self._target
+        if t.sentinels:
+            host, port = await self._ask_sentinels()
+        else:
+            host, port = t.host, t.port
         try:
             with trio.fail_after(self._timeout_s):
                 if t.path is not None:
-                    return await trio.open_unix_socket(t.path)
-                return await trio.open_tcp_stream(t.host, t.port)
+                    return await trio.open_unix_socket(t.path), None
+                return await trio.open_tcp_stream(host, port), (host, port)
         except trio.TooSlowError as exc:
             raise ConnectionLost(f"cannot connect: no answer in {self._timeout_s:g} s") from exc
         except OSError as exc:
             raise ConnectionLost(f"cannot connect: {exc.strerror or exc}") from exc
 
-    async def _open(self) -> Reader:
+    async def _ask_sentinels(self) -> tuple[str, int]:
+        """The primary's address, as the first Sentinel that knows it says (asked anew
+        for every connection: after a failover they name the promoted replica). The one
+        that answered last is asked first."""
+        t = self._target
+        assert t.master_name is not None
+        problems = []
+        for host, port in sorted(t.sentinels, key=lambda s: s != self._sentinel):
+            try:
+                with trio.fail_after(self._timeout_s / len(t.sentinels)):
+                    stream = await trio.open_tcp_stream(host, port)
+                    async with stream:
+                        commands: list[tuple[str, ...]] = (
+                            [("AUTH", t.sentinel_password)] if t.sentinel_password else [])
+                        commands.append(("SENTINEL", "get-master-addr-by-name", t.master_name))
+                        await stream.send_all(b"".join(encode(c) for c in commands))
+                        reader = Reader(stream)
+                        for _ in commands:
+                            reply = await reader.reply()
+            except (trio.TooSlowError, ConnectionLost, *_TRANSPORT) as exc:
+                problems.append(f"{host}:{port}: {type(exc).__name__}")
+                continue
+            if isinstance(reply, list) and len(reply) == 2 and str(reply[1]).isdigit():
+                self._sentinel = (host, port)
+                found = (str(reply[0]), int(reply[1]))
+                if found != self.primary:
+                    if self.primary is not None:
+                        logger.warning("the Sentinels name a new primary for %r: %s:%d "
+                                       "(was %s:%d)", t.master_name, *found, *self.primary)
+                    self.primary = found
+                return found
+            problems.append(f"{host}:{port}: {reply!s}" if isinstance(reply, RespError)
+                            else f"{host}:{port}: does not know it")
+        raise ConnectionLost(f"no Sentinel names the primary {t.master_name!r} "
+                             f"({'; '.join(problems)})")
+
+    async def _open(self) -> tuple[Reader, tuple[str, int] | None]:
         """A connected stream, authenticated and set up (its replies read here)."""
-        stream = await self._dial()
+        stream, address = await self._dial()
         try:
-            return await self._set_up(stream)
+            return await self._set_up(stream), address
         except trio.TooSlowError as exc:
             await stream.aclose()
             raise ConnectionLost(f"no answer to the set-up within {self._timeout_s:g} s "
@@ -273,7 +347,11 @@ class Client:
         if t.password is not None:
             commands.append(("AUTH", *([t.username] if t.username else []), t.password))
         commands += [("SELECT", t.db)] if t.db else []
+        # Best-effort: a managed service or an ACL user may refuse it (its name only
+        # helps an operator reading CLIENT LIST).
         commands.append(("CLIENT", "SETNAME", self._name))
+        if t.sentinels:  # (what a Sentinel names may be out of date: a failover under way)
+            commands.append(("ROLE",))
         with trio.fail_after(self._timeout_s):
             try:
                 if t.ssl_context is not None:  # (a refused certificate is a broken stream)
@@ -281,8 +359,14 @@ class Client:
                     await stream.do_handshake()
                 reader = Reader(stream)
                 await stream.send_all(b"".join(encode(c) for c in commands))
-                for _ in commands:
-                    if isinstance(reply := await reader.reply(), RespError):
+                for command in commands:
+                    reply = await reader.reply()
+                    if command == ("ROLE",):
+                        _check_role(reply)
+                    elif isinstance(reply, RespError) and command[0] != "CLIENT":
+                        if reply.code in FAILOVER_CODES:
+                            raise ConnectionLost(f"the server is not a usable primary now "
+                                                 f"({reply})")
                         raise reply
             except _TRANSPORT as exc:  # (a refused certificate: the SSL error is the cause)
                 raise ConnectionLost(f"setting up the connection: {exc.__cause__ or exc!r}"
@@ -292,7 +376,7 @@ class Client:
     @asynccontextmanager
     async def subscribe(self, channel: str) -> AsyncIterator[Subscription]:
         """A subscription to ``channel`` on a connection of its own (raises as `execute`)."""
-        reader = await self._open()
+        reader, address = await self._open()
         try:
             confirmed = None
             with trio.move_on_after(self._timeout_s):
@@ -305,14 +389,20 @@ class Client:
                 raise ConnectionLost(f"no answer to SUBSCRIBE within {self._timeout_s:g} s")
             if isinstance(confirmed, RespError):
                 raise confirmed
-            yield Subscription(reader)
+            yield Subscription(reader, address)
         finally:
             await reader.stream.aclose()  # closes even when cancelled
 
 
 class Subscription:
-    def __init__(self, reader: Reader) -> None:
+    """One subscribed connection: its messages read by `message` in one task; `ping`
+    may be sent from another (a pong is counted by `message` as it reads it)."""
+
+    def __init__(self, reader: Reader, address: tuple[str, int] | None) -> None:
         self._reader = reader
+        self.address = address  # where it went (a Sentinel's answer), or None
+        self.pongs = 0
+        self._pong = trio.Event()
 
     async def message(self) -> str:
         """The next message's data (`ConnectionLost`: the connection ended)."""
@@ -323,6 +413,35 @@ class Subscription:
                 raise ConnectionLost(f"reading the subscription: {exc}") from exc
             if isinstance(item, list) and len(item) == 3 and item[0] == "message":
                 return str(item[2])
+            if isinstance(item, list) and item and item[0] == "pong":
+                self.pongs += 1
+                self._pong.set()
+                self._pong = trio.Event()
+
+    async def ping(self) -> None:
+        """Send a PING on the subscription (`ConnectionLost`: it could not be sent)."""
+        try:
+            await self._reader.stream.send_all(encode(("PING",)))
+        except _TRANSPORT as exc:
+            raise ConnectionLost(f"pinging the subscription: {exc}") from exc
+
+    async def pong(self, after: int) -> None:
+        """Until more than ``after`` pongs have been read."""
+        while self.pongs <= after:
+            await self._pong.wait()
+
+
+def _check_role(reply: Any) -> None:
+    """The server the Sentinels named must say it is the primary (`ROLE`); a user not
+    allowed ROLE is taken at the Sentinels' word (a wrong one answers READONLY)."""
+    if isinstance(reply, RespError):
+        if reply.code == "NOPERM":
+            return
+        raise reply
+    if not (isinstance(reply, list) and reply and reply[0] == "master"):
+        role = reply[0] if isinstance(reply, list) and reply else reply
+        raise ConnectionLost(f"the server the Sentinels named is not the primary (its "
+                             f"role: {role}); a failover under way?")
 
 
 def open_client(url: str, *, timeout_s: float, name: str

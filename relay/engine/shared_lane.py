@@ -331,9 +331,9 @@ class SharedLane:
         epoch, lanes, queue_max, rpm, set_by, _pver, lost, woken, gone, reclaimed = reply[5:]
         if self.epoch and epoch != self.epoch:
             logger.warning("shared lane %s: the coordination server lost its state (a "
-                           "restart?); %d slot(s) and %d place(s) of this relay registered "
-                           "again, no new grant for one lease", self.name, len(holders),
-                           len(waiters))
+                           "restart or a failover?); %d slot(s) and %d place(s) of this "
+                           "relay registered again, no new grant for one lease", self.name,
+                           len(holders), len(waiters))
         self.epoch = str(epoch)
         self.problem = None
         stored = (int(lanes), int(queue_max), float(rpm))
