@@ -19,7 +19,10 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["RedisServer", "Sentinel", "redis_fixture", "require_redis"]
+__all__ = ["ACL_PASSWORD", "RedisServer", "Sentinel", "documented_acl", "redis_fixture",
+           "redis_shared_fixture", "require_redis"]
+
+ACL_PASSWORD = "acl-user-secret-7"
 
 REDIS = shutil.which("redis-server") or shutil.which("valkey-server")
 
@@ -48,11 +51,27 @@ class RedisServer:
         self.port = _free_port()
         self.password = password
         self.args = args  # more of redis-server's options (--replicaof, --aclfile, …)
+        self.acl: list[str] | None = None  # ACL SETUSER's arguments: relay's URL uses it
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
+        if self.acl is not None:
+            return f"redis://{self.acl[0]}:{ACL_PASSWORD}@127.0.0.1:{self.port}/0"
         return f"redis://127.0.0.1:{self.port}/0"
+
+    def use_acl_user(self, rights: str) -> None:
+        """relay's URL names a user with exactly ``rights`` (an ``ACL SETUSER`` line
+        whose password is ``>PASSWORD``); made again at every (re)start."""
+        words = rights.split()
+        assert words[:2] == ["ACL", "SETUSER"] and ">PASSWORD" in words
+        self.acl = [f">{ACL_PASSWORD}" if w == ">PASSWORD" else w for w in words[2:]]
+        if self.proc is not None:
+            self._make_user()
+
+    def _make_user(self) -> None:
+        assert self.acl is not None
+        assert self.command("ACL", "SETUSER", *self.acl) == b"+OK\r\n"
 
     def argv(self) -> list[str]:
         return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
@@ -74,12 +93,14 @@ class RedisServer:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                     s.sendall(b"PING\r\n")
                     if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):
-                        return
+                        break
             except OSError:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("redis-server did not answer within 10 s")
             time.sleep(0.02)
+        if self.acl is not None:
+            self._make_user()
 
     def signal(self, signum: int) -> None:
         assert self.proc is not None
@@ -153,6 +174,28 @@ sentinel parallel-syncs {self.name} 1
 @pytest.fixture(name="redis")
 def redis_fixture(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(require_redis(), tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def documented_acl() -> str:
+    """The ``ACL SETUSER`` line of the README's "Several machines, one account"."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (line,) = [x.strip() for x in readme.splitlines() if x.strip().startswith("ACL SETUSER")]
+    return line
+
+
+@pytest.fixture(name="redis", params=["default user", "documented ACL user"])
+def redis_shared_fixture(request: pytest.FixtureRequest, tmp_path: Path
+                         ) -> Iterator[RedisServer]:
+    """The shared-lane tests' server, twice: relay as the default user, and as a user
+    with exactly the rights the README documents (SPEC O6)."""
+    server = RedisServer(require_redis(), tmp_path / "redis")
+    if request.param == "documented ACL user":
+        server.use_acl_user(documented_acl())
     server.start()
     try:
         yield server

@@ -16,7 +16,7 @@ import pytest
 import trio
 from conftest import records, start_relay, wait_for
 from redis_proxy import open_proxy
-from redis_server import RedisServer, Sentinel, redis_fixture, require_redis  # noqa: F401
+from redis_server import RedisServer, Sentinel, redis_shared_fixture, require_redis  # noqa: F401
 from shared_helpers import Peak, body, shared_config
 from upstream import FakeUpstream, Script
 

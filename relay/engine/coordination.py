@@ -44,7 +44,7 @@ import trio
 
 from relay.vocab.errors import ConfigError, RelayError
 
-from . import resp, shared_scripts
+from . import coordination_check, resp, shared_scripts
 
 
 class CoordinatedLane(Protocol):
@@ -233,6 +233,9 @@ class Coordinator:
             with trio.move_on_after(self.command_timeout_s * 2):
                 await self.subscribed.wait()
             await self._renew_all(at_start=True)
+            if self.available:
+                await coordination_check.warn_about_eviction(client,
+                                                             2 * self.command_timeout_s)
             if not self.available:
                 logger.warning("shared lanes: the coordination server is unreachable at "
                                "start (%s); shared providers answer "

@@ -46,9 +46,12 @@ import trio
 from relay.api import eager
 from relay.config.coordination_url import CoordinationTarget, parse_url
 
+from . import resp_sentinel
+from .resp_pubsub import Subscription
 from .resp_wire import ConnectionLost, Reader, RespError, encode
 
-__all__ = ["Client", "ConnectionLost", "RespError", "Script", "open_client", "parse_url"]
+__all__ = ["Client", "ConnectionLost", "RespError", "Script", "Subscription", "open_client",
+           "parse_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -293,40 +296,15 @@ class Client:
             raise ConnectionLost(f"cannot connect: {exc.strerror or exc}") from exc
 
     async def _ask_sentinels(self) -> tuple[str, int]:
-        """The primary's address, as the first Sentinel that knows it says (asked anew
-        for every connection: after a failover they name the promoted replica). The one
-        that answered last is asked first."""
-        t = self._target
-        assert t.master_name is not None
-        problems = []
-        for host, port in sorted(t.sentinels, key=lambda s: s != self._sentinel):
-            try:
-                with trio.fail_after(self._timeout_s / len(t.sentinels)):
-                    stream = await trio.open_tcp_stream(host, port)
-                    async with stream:
-                        commands: list[tuple[str, ...]] = (
-                            [("AUTH", t.sentinel_password)] if t.sentinel_password else [])
-                        commands.append(("SENTINEL", "get-master-addr-by-name", t.master_name))
-                        await stream.send_all(b"".join(encode(c) for c in commands))
-                        reader = Reader(stream)
-                        for _ in commands:
-                            reply = await reader.reply()
-            except (trio.TooSlowError, ConnectionLost, *_TRANSPORT) as exc:
-                problems.append(f"{host}:{port}: {type(exc).__name__}")
-                continue
-            if isinstance(reply, list) and len(reply) == 2 and str(reply[1]).isdigit():
-                self._sentinel = (host, port)
-                found = (str(reply[0]), int(reply[1]))
-                if found != self.primary:
-                    if self.primary is not None:
-                        logger.warning("the Sentinels name a new primary for %r: %s:%d "
-                                       "(was %s:%d)", t.master_name, *found, *self.primary)
-                    self.primary = found
-                return found
-            problems.append(f"{host}:{port}: {reply!s}" if isinstance(reply, RespError)
-                            else f"{host}:{port}: does not know it")
-        raise ConnectionLost(f"no Sentinel names the primary {t.master_name!r} "
-                             f"({'; '.join(problems)})")
+        """The primary's address (`resp_sentinel.ask`); a new one is logged."""
+        found, self._sentinel = await resp_sentinel.ask(self._target, self._timeout_s,
+                                                        self._sentinel)
+        if found != self.primary:
+            if self.primary is not None:
+                logger.warning("the Sentinels name a new primary for %r: %s:%d (was %s:%d)",
+                               self._target.master_name, *found, *self.primary)
+            self.primary = found
+        return found
 
     async def _open(self) -> tuple[Reader, tuple[str, int] | None]:
         """A connected stream, authenticated and set up (its replies read here)."""
@@ -362,7 +340,7 @@ class Client:
                 for command in commands:
                     reply = await reader.reply()
                     if command == ("ROLE",):
-                        _check_role(reply)
+                        resp_sentinel.check_role(reply)
                     elif isinstance(reply, RespError) and command[0] != "CLIENT":
                         if reply.code in FAILOVER_CODES:
                             raise ConnectionLost(f"the server is not a usable primary now "
@@ -392,56 +370,6 @@ class Client:
             yield Subscription(reader, address)
         finally:
             await reader.stream.aclose()  # closes even when cancelled
-
-
-class Subscription:
-    """One subscribed connection: its messages read by `message` in one task; `ping`
-    may be sent from another (a pong is counted by `message` as it reads it)."""
-
-    def __init__(self, reader: Reader, address: tuple[str, int] | None) -> None:
-        self._reader = reader
-        self.address = address  # where it went (a Sentinel's answer), or None
-        self.pongs = 0
-        self._pong = trio.Event()
-
-    async def message(self) -> str:
-        """The next message's data (`ConnectionLost`: the connection ended)."""
-        while True:
-            try:
-                item = await self._reader.reply()
-            except _TRANSPORT as exc:
-                raise ConnectionLost(f"reading the subscription: {exc}") from exc
-            if isinstance(item, list) and len(item) == 3 and item[0] == "message":
-                return str(item[2])
-            if isinstance(item, list) and item and item[0] == "pong":
-                self.pongs += 1
-                self._pong.set()
-                self._pong = trio.Event()
-
-    async def ping(self) -> None:
-        """Send a PING on the subscription (`ConnectionLost`: it could not be sent)."""
-        try:
-            await self._reader.stream.send_all(encode(("PING",)))
-        except _TRANSPORT as exc:
-            raise ConnectionLost(f"pinging the subscription: {exc}") from exc
-
-    async def pong(self, after: int) -> None:
-        """Until more than ``after`` pongs have been read."""
-        while self.pongs <= after:
-            await self._pong.wait()
-
-
-def _check_role(reply: Any) -> None:
-    """The server the Sentinels named must say it is the primary (`ROLE`); a user not
-    allowed ROLE is taken at the Sentinels' word (a wrong one answers READONLY)."""
-    if isinstance(reply, RespError):
-        if reply.code == "NOPERM":
-            return
-        raise reply
-    if not (isinstance(reply, list) and reply and reply[0] == "master"):
-        role = reply[0] if isinstance(reply, list) and reply else reply
-        raise ConnectionLost(f"the server the Sentinels named is not the primary (its "
-                             f"role: {role}); a failover under way?")
 
 
 def open_client(url: str, *, timeout_s: float, name: str
