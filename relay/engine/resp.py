@@ -1,8 +1,11 @@
 """A small Redis (and Valkey) client on trio, for the shared lanes' coordinator (SPEC L11).
 
-Why relay's own: the coordinator sends a handful of Lua scripts and one subscription, and
-coredis (anyio under trio) cost ~0.6 ms of a command on loopback where the round trip is
-~0.06 ms (`python -m bench.shared`) — most of what a shared slot cost over a local one.
+Why relay's own: the coordinator sends a handful of Lua scripts and one subscription.
+Measured again with hiredis as the parser (`python -m bench.shared`, part 4: one EVALSHA
+of RELEASE's shape, loopback, p50/p99): this client 0.077/0.200 ms, coredis 6.9.0
+0.202/0.839 ms, valkey-glide 2.6.0 0.133/0.239 ms, both under trio; and a blocking call
+cancelled by a trio scope left glide's pipelined connection stuck (`coordination`). The
+wire format itself is hiredis's (`resp_wire`).
 
 Theory of operation. `open_client` gives a `Client` (no task of its own: its connection
 closes when the ``async with`` ends). Commands share one connection, pipelined, and the
@@ -17,7 +20,8 @@ callers read the replies themselves — no reader task, so no hand-over between 
   safe to run twice). A reader cancelled mid-reply leaves what came in the buffer for the
   next. Nothing here retries.
 - A write cut short (a broken socket, a cancel: half a command, or none, would put the
-  connection out of step), an end of stream, a reply that does not parse, or
+  connection out of step), an end of stream, a reply that does not parse, a
+  ``READONLY``/``LOADING``/``MASTERDOWN`` reply (not the primary: a failover), or
   `Client.reset` (the caller's deadline passed: the server may be stuck) fails the
   connection: every waiting command gets `ConnectionLost`, and the next command connects
   anew. The caller bounds each command (the coordinator's ``command_timeout_s``); the
@@ -25,7 +29,10 @@ callers read the replies themselves — no reader task, so no hand-over between 
 - `Client.script` sends ``EVALSHA`` with the script's SHA-1, and once ``EVAL`` with its
   source when the server does not have it (a restart, ``SCRIPT FLUSH``).
 - `Client.subscribe` opens a connection of its own for ``SUBSCRIBE``; its messages are read
-  in the caller's task.
+  in the caller's task (`resp_pubsub`, with pings for a health check).
+- A ``redis+sentinel://`` URL: every connection asks the Sentinels where the primary is
+  (`resp_sentinel`) and checks ``ROLE`` there; `Client.follow_primary` asks again and
+  fails a connection to a server they no longer name.
 
 What a URL may say: `relay.config.coordination_url`. No error message here quotes the URL:
 it may hold a password.
