@@ -237,7 +237,9 @@ async def test_a_sentinel_failover_under_load_never_exceeds_lanes(
             resumed = load.first_ok_sent_after(done)
             report(how, load, started, done, resumed, moved)
             assert peak.peak == LANES
-            assert resumed - done <= LEASE + 1.0
+            # A relay asks the Sentinels at every renewal: it may learn of the switch up
+            # to one tick (lease / 4) after they made it; then one quiet lease.
+            assert resumed - done <= LEASE + LEASE / 4 + 0.5
             await idle_on(relays, b)
             nursery.cancel_scope.cancel()
     finally:

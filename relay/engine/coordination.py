@@ -277,12 +277,6 @@ class Coordinator:
     async def _renew_all(self, *, at_start: bool = False) -> None:
         if not self.available and not await self._reachable():
             return
-        if self._client is not None:
-            try:
-                self._follow(await self._client.follow_primary())
-            except resp.ConnectionLost as exc:
-                self._down(str(exc))
-                return
         sent = trio.current_time()
         for lane in list(self.lanes.values()):
             try:
@@ -300,6 +294,13 @@ class Coordinator:
                         ", ".join(self.lanes) or "no shared provider yet")
         for lane in self.lanes.values():
             lane.renewed(self.lost_at)
+        # After the renewal, never delaying it: a relay leaves an old primary that still
+        # takes writes (the Sentinels moved on) by its next renewal.
+        if self._client is not None:
+            try:
+                self._follow(await self._client.follow_primary())
+            except resp.ConnectionLost as exc:  # (the primary may still answer: go on)
+                logger.debug("shared lanes: the Sentinels could not be asked (%s)", exc)
         for member, (lane, script, since) in list(self.orphans.items()):
             if trio.current_time() - since < self.lease_s:
                 try:
