@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install redis-server for the shared-lane tests and bench (SPEC L11: tests/test_shared_*.py
-# start their own servers on free loopback ports; nothing uses a system-wide instance).
+# Install redis-server for the shared-lane tests and bench (SPEC L11, O6: tests/test_shared_*.py
+# start their own servers on free loopback ports, Sentinels too as `redis-server FILE
+# --sentinel` of the same binary; nothing uses a system-wide instance).
 # Debian package; idempotent: nothing is installed when redis-server (or valkey-server) is
 # already there.
 set -euo pipefail

@@ -18,6 +18,12 @@ Starts its own ``redis-server`` on a free loopback port and reports, in one run:
    upstream's highest concurrency must equal ``lanes`` exactly, and at the end every
    relay's shared lane must show 0 running and 0 queued (and the server hold no slot).
 
+4. **one script call on three clients** (``EVALSHA`` of a script shaped like RELEASE: 5
+   keys, 10 arguments), sequential, p50/p99: relay's own client (hiredis's parser,
+   relay's trio I/O), coredis and valkey-glide, both under trio too — where they are
+   installed (``pip install coredis valkey-glide``: not relay's dependencies); why
+   relay keeps its own (see ``relay/engine/resp.py``).
+
 Exits non-zero when a check of part 3 fails. The numbers are printed, not asserted.
 """
 
@@ -118,6 +124,57 @@ async def slot_costs(url: str, n: int) -> None:
           f"{'met' if pct(times['handoff'], 99) <= 5 else 'MISSED'}")
 
 
+_SHAPED = "return {'released', #KEYS, #ARGV, -1, {}}"  # (RELEASE's reply shape)
+
+
+async def client_costs(url: str, port: int, n: int) -> None:
+    """Part 4: one EVALSHA's round trip on relay's client, coredis and valkey-glide."""
+    from relay.engine import resp
+    script = resp.Script(_SHAPED)
+    keys = [f"{{bench:c}}:{k}" for k in ["h", "w", "wx", "m", "r"]]
+    argv = ["inst", "relay", 2000, "", 4, 64, "0.0", "bench:wake:", "c", "member"]
+    times: dict[str, list[float]] = {}
+
+    async def run(name: str, call: Any) -> None:
+        for _ in range(50):  # warm up
+            await call()
+        out = times[name] = []
+        for _ in range(n):
+            t = time.perf_counter()
+            await call()
+            out.append(time.perf_counter() - t)
+
+    async with resp.open_client(url, timeout_s=5, name="bench") as client:
+        await client.execute("SCRIPT", "LOAD", _SHAPED)
+        await run("relay (hiredis parser)", lambda: client.execute(
+            "EVALSHA", script.sha, len(keys), *keys, *argv))
+    try:
+        import coredis
+    except ImportError:
+        print(f"{'coredis':<34} not installed (pip install coredis)")
+    else:
+        redis_c = coredis.Redis(host="127.0.0.1", port=port, decode_responses=True)
+        async with redis_c:
+            await run(f"coredis {coredis.__version__}", lambda: redis_c.evalsha(
+                script.sha, keys=keys, args=[str(a) for a in argv]))
+    try:
+        from importlib.metadata import version
+
+        import glide
+    except ImportError:
+        print(f"{'valkey-glide':<34} not installed (pip install valkey-glide)")
+    else:
+        g = await glide.GlideClient.create(glide.GlideClientConfiguration(
+            [glide.NodeAddress("127.0.0.1", port)]))
+        try:
+            await run(f"valkey-glide {version('valkey-glide')}", lambda: g.custom_command(
+                ["EVALSHA", script.sha, str(len(keys)), *keys, *map(str, argv)]))
+        finally:
+            await g.close()
+    for name, values in times.items():
+        print(line(f"EVALSHA, {name}", values))
+
+
 def wait_until_granting(server: RedisServer) -> None:
     """A fresh server grants nothing for one lease (see relay/engine/shared_scripts):
     return once it has been up that long."""
@@ -202,6 +259,7 @@ def main() -> int:
         try:
             wait_until_granting(server)
             trio.run(slot_costs, server.url, args.slots)
+            trio.run(client_costs, server.url, server.port, args.slots)
             ok: Any = trio.run(three_relays, server.url, args.requests, Path(tmp))
             left = server.command("ZCARD", "{relay:up}:h").strip()
             print(f"slots held on the server at the end: {left.decode()[1:]}")

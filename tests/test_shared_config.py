@@ -77,3 +77,30 @@ def test_names_must_be_plain(tmp_path: Path) -> None:
     assert any(p.endswith("[server] relay_id: must be a non-empty name without spaces, "
                           "'{', '}' or '|'") for p in found)
     assert any("[server] coordination_prefix:" in p for p in found)
+
+
+def test_a_sentinel_url_names_the_sentinels_the_primary_and_the_db() -> None:
+    from relay.config.coordination_url import parse_url
+    t = parse_url("redis+sentinel://app:s%40cret@10.0.0.1:26379,[::1]:26380,h:1/lanes/3"
+                  "?sentinel_password=sp")
+    assert t.sentinels == (("10.0.0.1", 26379), ("::1", 26380), ("h", 1))
+    assert (t.master_name, t.db, t.username, t.password, t.sentinel_password) == (
+        "lanes", 3, "app", "s@cret", "sp")
+    v = parse_url("valkey+sentinel://:pw@h:5000/primary")
+    assert (v.sentinels, v.master_name, v.db, v.username, v.password) == (
+        (("h", 5000),), "primary", 0, None, "pw")
+    assert "pw" not in repr(v) and "s@cret" not in repr(t) and "sp" not in repr(t)
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("redis+sentinel://h:1", "must name the primary"),
+    ("redis+sentinel://h:1,h2/name", "each Sentinel must be HOST:PORT"),
+    ("redis+sentinel://:hunter2hunter2@h:99999/name", "each Sentinel must be HOST:PORT"),
+    ("valkey+sentinel://h:1/name/x", "must be a number"),
+])
+def test_a_bad_sentinel_url_is_named_without_quoting_it(tmp_path: Path, url: str,
+                                                         says: str) -> None:
+    text = f'[server]\ncoordination_url = "{url}"\n' + PROVIDER.format(shared="true")
+    (p,) = problems(text, tmp_path)
+    assert p.startswith("test.toml: [server] coordination_url: ") and says in p, p
+    assert "hunter2" not in p

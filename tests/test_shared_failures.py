@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import trio
 from conftest import records, start_relay, wait_for
-from redis_server import RedisServer, redis_fixture, require_redis  # noqa: F401
+from redis_server import RedisServer, redis_shared_fixture, require_redis  # noqa: F401
 from shared_helpers import Peak, body, shared_config, start_serve
 from upstream import FakeUpstream, Script
 

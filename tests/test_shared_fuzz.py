@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import trio
 from lane_fuzz import LaneUnderTest, run_seed_real_time
-from redis_server import RedisServer, require_redis
+from redis_server import ACL_PASSWORD, RedisServer, require_redis
 
 from relay.engine.coordination import Coordinator
+from relay.engine.coordination_check import acl_line
 from relay.engine.shared_lane import SharedLane
 from relay.vocab.profile import Profile
 
@@ -56,11 +57,19 @@ def factory(url: str, prefix: str):  # type: ignore[no-untyped-def]
     return three_relays
 
 
+@pytest.mark.parametrize("user", ["default user", "documented ACL user"])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_the_shared_lane_keeps_every_rule_across_three_relays(
-        seed: int, server: RedisServer, tmp_path: Path) -> None:
-    report = run_seed_real_time(factory(server.url, f"fuzz-{seed}"), seed, arrivals=50,
-                                slack=0.08, scale=0.3)
+        seed: int, server: RedisServer, tmp_path: Path, user: str) -> None:
+    prefix, url = f"fuzz-{seed}", server.url
+    if user == "documented ACL user":  # the README's line, for this prefix (SPEC O6)
+        prefix, name = f"fuzzacl-{seed}", f"fuzz{seed}"  # (the state of its own)
+        rights = acl_line(prefix, name).split()[2:]
+        assert server.command("ACL", "SETUSER", *[
+            f">{ACL_PASSWORD}" if w == ">PASSWORD" else w for w in rights]) == b"+OK\r\n"
+        url = url.replace("redis://", f"redis://{name}:{ACL_PASSWORD}@")
+    report = run_seed_real_time(factory(url, prefix), seed, arrivals=50, slack=0.08,
+                                scale=0.3)
     assert [str(v) for v in report.violations] == [], report.profile
     assert report.counts.get("started", 0) > 0
     print(report.profile, report.counts)

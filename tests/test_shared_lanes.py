@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import trio
 from conftest import config_from, records, start_relay, wait_for
-from redis_server import RedisServer, redis_fixture  # noqa: F401  (the fixture)
+from redis_server import RedisServer, redis_shared_fixture  # noqa: F401  (the fixture)
 from shared_helpers import Peak, body, shared_config
 from upstream import FakeUpstream, Script
 
@@ -369,7 +369,7 @@ async def test_a_renewal_never_reports_a_waiter_whose_acquire_is_still_on_its_wa
     from relay.engine.shared_lane import SharedLane, _Member
     from relay.vocab.profile import Profile
 
-    coord = Coordinator(redis.url, prefix="race", lease_s=2.0, relay_id="r")
+    coord = Coordinator(redis.url, prefix="relay", lease_s=2.0, relay_id="r")
     lane = SharedLane("up", Profile(lanes=1, queue_max=4, queue_timeout_s=10,
                                     run_timeout_s=60), coord)
     await nursery.start(coord.serve)

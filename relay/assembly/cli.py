@@ -16,6 +16,7 @@ config's ``[server]`` host and port (the file ``serve`` would read), then
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import logging
 import os
@@ -31,6 +32,7 @@ from relay.adapters import ADAPTERS
 from relay.adapters._process import become_subreaper
 from relay.api.http import get_json, post_json
 from relay.config import PACKAGED_DEFAULT, Config, default_config_path, load_config
+from relay.engine.coordination_check import check_server
 from relay.front.guard import ACCESS_LOG
 from relay.vocab.errors import ConfigError
 
@@ -145,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         if config is None:
             return 2
         print(describe_config(config))
+        url = config.coordination_url()
+        if config.shared_providers and url:  # (SPEC O6: its rights, its eviction policy)
+            for line in trio.run(functools.partial(
+                    check_server, url, prefix=config.server.coordination_prefix)):
+                print(line)
         return 0
     if args.command == "status":
         return _status(daemon_url(args.url, args.config))

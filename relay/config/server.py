@@ -30,7 +30,8 @@ def _check_server(server: ServerConfig, env: Mapping[str, str], problems: list[s
                             "list the Host names clients use to reach relay")
 
 
-_COORDINATION_SCHEMES = ("redis", "rediss", "valkey", "valkeys", "unix")
+_COORDINATION_SCHEMES = ("redis", "rediss", "valkey", "valkeys", "unix", "redis+sentinel",
+                         "valkey+sentinel")
 
 
 def coordination_url_problem(url: str) -> str | None:
@@ -39,7 +40,8 @@ def coordination_url_problem(url: str) -> str | None:
     scheme, _, rest = url.partition("://")
     if not rest or scheme.lower() not in _COORDINATION_SCHEMES:
         return ("must be a Redis or Valkey URL: redis://[:PASSWORD@]HOST:PORT/DB, "
-                "rediss://… (TLS) or unix:///PATH")
+                "rediss://… (TLS), unix:///PATH or "
+                "redis+sentinel://HOST:PORT[,HOST:PORT…]/MASTER_NAME")
     try:
         parse_url(url)
     except ValueError as exc:

@@ -44,7 +44,7 @@ import trio
 
 from relay.vocab.errors import ConfigError, RelayError
 
-from . import resp, shared_scripts
+from . import coordination_check, resp, shared_scripts
 
 
 class CoordinatedLane(Protocol):
@@ -84,6 +84,10 @@ class Coordinator:
         self.channel_prefix = f"{prefix}:wake:"
         self.channel = self.channel_prefix + self.instance
         self.tick_s = lease_s / 4
+        self.ping_s = lease_s / 4  # the subscription's health: see `_listen`
+        self.subscription_renewals = 0  # silent subscriptions noticed (a test reads it)
+        self._subscription: tuple[resp.Subscription, trio.CancelScope] | None = None
+        self._silent = False  # the subscription did not answer its ping in time
         self.command_timeout_s = min(1.0, lease_s / 4)
         self.lanes: dict[str, CoordinatedLane] = {}
         self.available = False
@@ -173,7 +177,8 @@ class Coordinator:
                     # safe to run twice (the member says where it stands).
                     if not await self._reachable():
                         raise
-                    return await client.script(self._scripts[script], keys, args)
+                    again = await client.script(self._scripts[script], keys, args)
+                    return self._after_retry(script, again)
         except trio.TooSlowError as exc:
             client.reset()  # the server may be stuck (SIGSTOP): the next call connects anew
             self._down(f"no answer within {self.command_timeout_s:g} s")
@@ -181,6 +186,16 @@ class Coordinator:
         except _FOREIGN as exc:
             self._down(f"{type(exc).__name__}: {exc}")
             raise self.unavailable(provider) from exc
+
+    def _after_retry(self, script: str, reply: Any) -> Any:
+        """A script run again after its connection broke before the reply: the first run
+        may have landed. A RELEASE that then finds its slot ``gone`` released it the first
+        time, while this relay's lease still stands on the server (``renewed_at + lease``:
+        the server's leases end no sooner): not an expired lease."""
+        if (script == "RELEASE" and isinstance(reply, list) and reply and reply[0] == "gone"
+                and trio.current_time() < self.renewed_at + self.lease_s):
+            return ["released", *reply[1:]]
+        return reply
 
     async def claim_check(self, lane: str, interval_s: float) -> bool:
         """True when this relay runs the lane's interval check now (one relay per
@@ -218,6 +233,9 @@ class Coordinator:
             with trio.move_on_after(self.command_timeout_s * 2):
                 await self.subscribed.wait()
             await self._renew_all(at_start=True)
+            if self.available:
+                await coordination_check.warn_about_eviction(client,
+                                                             2 * self.command_timeout_s)
             if not self.available:
                 logger.warning("shared lanes: the coordination server is unreachable at "
                                "start (%s); shared providers answer "
@@ -276,6 +294,13 @@ class Coordinator:
                         ", ".join(self.lanes) or "no shared provider yet")
         for lane in self.lanes.values():
             lane.renewed(self.lost_at)
+        # After the renewal, never delaying it: a relay leaves an old primary that still
+        # takes writes (the Sentinels moved on) by its next renewal.
+        if self._client is not None:
+            try:
+                self._follow(await self._client.follow_primary())
+            except resp.ConnectionLost as exc:  # (the primary may still answer: go on)
+                logger.debug("shared lanes: the Sentinels could not be asked (%s)", exc)
         for member, (lane, script, since) in list(self.orphans.items()):
             if trio.current_time() - since < self.lease_s:
                 try:
@@ -293,23 +318,64 @@ class Coordinator:
 
     async def _listen(self) -> None:
         """This relay's wake-up channel: grants (``g member``) and the pacer's "ask
-        again in N ms" (``p lane ms``). A lost message costs one renewal tick."""
+        again in N ms" (``p lane ms``). A lost message costs one renewal tick.
+
+        Health: a PING on the subscription every ``ping_s / 2``, its pong due within
+        ``ping_s / 2``: a connection a NAT or a load balancer silently dropped is noticed
+        within one ping interval (``ping_s``), logged once, and subscribed again at once;
+        the renewal that follows makes up the wake-ups lost meanwhile. The subscription
+        is also made again when the Sentinels name another primary."""
+        first = True
         while True:
             if not await self._reachable():
                 await trio.sleep(DOWN_RETRY_S)
                 continue
             client = self._client
             assert client is not None
+            self._silent = False
             try:
-                async with client.subscribe(self.channel) as subscription:
+                async with client.subscribe(self.channel) as subscription, \
+                        trio.open_nursery() as nursery:
+                    self._subscription = (subscription, nursery.cancel_scope)
                     self.subscribed.set()
+                    if not first:
+                        self.renew_soon()  # wake-ups may have been lost meanwhile
+                    first = False
+                    nursery.start_soon(self._ping, subscription, nursery.cancel_scope)
                     while True:
                         self._message(await subscription.message())
-            except _FOREIGN as exc:  # (a stop, trio.Cancelled, passes through)
+            except* _FOREIGN as group:  # (a stop, trio.Cancelled, passes through)
                 logger.debug("shared lanes: the subscription ended (%r); renewals make up "
-                             "for lost wake-ups meanwhile", exc)
+                             "for lost wake-ups meanwhile", group.exceptions[0])
+            finally:
+                self._subscription = None
             self.subscribed = trio.Event()
-            await trio.sleep(DOWN_RETRY_S)
+            if not self._silent:
+                await trio.sleep(DOWN_RETRY_S)
+
+    async def _ping(self, subscription: resp.Subscription, scope: trio.CancelScope) -> None:
+        half = self.ping_s / 2
+        while True:
+            await trio.sleep(half)
+            seen = subscription.pongs
+            await subscription.ping()
+            with trio.move_on_after(half):
+                await subscription.pong(seen)
+                continue
+            self.subscription_renewals += 1
+            logger.warning("shared lanes: the wake-up subscription did not answer a ping "
+                           "within %g s (a connection dropped on the way?); subscribing "
+                           "again", half)
+            self._silent = True
+            scope.cancel()
+            return
+
+    def _follow(self, primary: tuple[str, int] | None) -> None:
+        """The Sentinels named ``primary``: a subscription elsewhere is made again."""
+        current = self._subscription
+        if primary is not None and current is not None and current[0].address not in (
+                None, primary):
+            current[1].cancel()
 
     def _message(self, data: str) -> None:
         kind, _, rest = data.partition(" ")

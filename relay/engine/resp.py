@@ -1,8 +1,11 @@
 """A small Redis (and Valkey) client on trio, for the shared lanes' coordinator (SPEC L11).
 
-Why relay's own: the coordinator sends a handful of Lua scripts and one subscription, and
-coredis (anyio under trio) cost ~0.6 ms of a command on loopback where the round trip is
-~0.06 ms (`python -m bench.shared`) — most of what a shared slot cost over a local one.
+Why relay's own: the coordinator sends a handful of Lua scripts and one subscription.
+Measured again with hiredis as the parser (`python -m bench.shared`, part 4: one EVALSHA
+of RELEASE's shape, loopback, p50/p99): this client 0.077/0.200 ms, coredis 6.9.0
+0.202/0.839 ms, valkey-glide 2.6.0 0.133/0.239 ms, both under trio; and a blocking call
+cancelled by a trio scope left glide's pipelined connection stuck (`coordination`). The
+wire format itself is hiredis's (`resp_wire`).
 
 Theory of operation. `open_client` gives a `Client` (no task of its own: its connection
 closes when the ``async with`` ends). Commands share one connection, pipelined, and the
@@ -17,7 +20,8 @@ callers read the replies themselves — no reader task, so no hand-over between 
   safe to run twice). A reader cancelled mid-reply leaves what came in the buffer for the
   next. Nothing here retries.
 - A write cut short (a broken socket, a cancel: half a command, or none, would put the
-  connection out of step), an end of stream, a reply that does not parse, or
+  connection out of step), an end of stream, a reply that does not parse, a
+  ``READONLY``/``LOADING``/``MASTERDOWN`` reply (not the primary: a failover), or
   `Client.reset` (the caller's deadline passed: the server may be stuck) fails the
   connection: every waiting command gets `ConnectionLost`, and the next command connects
   anew. The caller bounds each command (the coordinator's ``command_timeout_s``); the
@@ -25,7 +29,10 @@ callers read the replies themselves — no reader task, so no hand-over between 
 - `Client.script` sends ``EVALSHA`` with the script's SHA-1, and once ``EVAL`` with its
   source when the server does not have it (a restart, ``SCRIPT FLUSH``).
 - `Client.subscribe` opens a connection of its own for ``SUBSCRIBE``; its messages are read
-  in the caller's task.
+  in the caller's task (`resp_pubsub`, with pings for a health check).
+- A ``redis+sentinel://`` URL: every connection asks the Sentinels where the primary is
+  (`resp_sentinel`) and checks ``ROLE`` there; `Client.follow_primary` asks again and
+  fails a connection to a server they no longer name.
 
 What a URL may say: `relay.config.coordination_url`. No error message here quotes the URL:
 it may hold a password.
@@ -34,6 +41,7 @@ it may hold a password.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -45,11 +53,22 @@ import trio
 from relay.api import eager
 from relay.config.coordination_url import CoordinationTarget, parse_url
 
+from . import resp_sentinel
+from .resp_pubsub import Subscription
 from .resp_wire import ConnectionLost, Reader, RespError, encode
 
-__all__ = ["Client", "ConnectionLost", "RespError", "Script", "open_client", "parse_url"]
+__all__ = ["Client", "ConnectionLost", "RespError", "Script", "Subscription", "open_client",
+           "parse_url"]
+
+logger = logging.getLogger(__name__)
 
 _TRANSPORT = (OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+# Replies of a server that is not (or not yet) a usable primary: a managed failover that
+# kept the name (READONLY: now a replica), a server loading its data (LOADING), a replica
+# that lost its primary (MASTERDOWN). They fail the connection like a broken socket: the
+# next command connects anew (and, through Sentinels, asks them where the primary is).
+FAILOVER_CODES = frozenset({"READONLY", "LOADING", "MASTERDOWN"})
 
 
 @attrs.frozen
@@ -102,6 +121,10 @@ class _Connection:
         if place.error is not None:
             raise ConnectionLost(str(place.error)) from place.error
         if isinstance(place.value, RespError):
+            if place.value.code in FAILOVER_CODES:  # not the primary (any more)
+                self.fail(ConnectionLost(f"the server is not a usable primary now "
+                                         f"({place.value})"))
+                raise ConnectionLost(str(self.broken)) from place.value
             raise place.value
         return place.value
 
@@ -188,6 +211,9 @@ class Client:
         self._name = name
         self._connection: _Connection | None = None
         self._connecting = trio.Lock()
+        self._sentinel: tuple[str, int] | None = None  # the Sentinel that answered last
+        self.primary: tuple[str, int] | None = None  # the primary they named last
+        self._connected_to: tuple[str, int] | None = None  # the command connection's
 
     async def execute(self, *args: Any) -> Any:
         """Send one command and return its reply.
@@ -230,8 +256,25 @@ class Client:
             if connection is not None:
                 self._connection = None
                 await connection.aclose()  # (a broken one's stream: closes even when cancelled)
-            connection = self._connection = _Connection(await self._open())
+            reader, self._connected_to = await self._open()
+            connection = self._connection = _Connection(reader)
             return connection
+
+    async def follow_primary(self) -> tuple[str, int] | None:
+        """Where the Sentinels say the primary is now (None: the URL names no Sentinels).
+        A connection to another server fails (the next command connects to the primary):
+        the old primary may take writes for a while after a failover.
+
+        Raises:
+            ConnectionLost: no Sentinel answers.
+        """
+        if not self._target.sentinels:
+            return None
+        found = await self._ask_sentinels()
+        if (self._connection is not None and self._connected_to is not None
+                and self._connected_to != found):
+            self._connection.fail(ConnectionLost("the Sentinels name another primary now"))
+        return found
 
     async def reachable(self) -> None:
         """Connect and close again: a plain socket, no set-up, no command (a stuck server
@@ -240,25 +283,41 @@ class Client:
         Raises:
             ConnectionLost: it cannot be connected to.
         """
-        await (await self._dial()).aclose()
+        await (await self._dial())[0].aclose()
 
-    async def _dial(self) -> trio.abc.Stream:
+    async def _dial(self) -> tuple[trio.abc.Stream, tuple[str, int] | None]:
+        """A connected stream, and the address it went to (a Sentinel's answer)."""
         t = self._target
+        if t.sentinels:
+            host, port = await self._ask_sentinels()
+        else:
+            host, port = t.host, t.port
         try:
             with trio.fail_after(self._timeout_s):
                 if t.path is not None:
-                    return await trio.open_unix_socket(t.path)
-                return await trio.open_tcp_stream(t.host, t.port)
+                    return await trio.open_unix_socket(t.path), None
+                return await trio.open_tcp_stream(host, port), (host, port)
         except trio.TooSlowError as exc:
             raise ConnectionLost(f"cannot connect: no answer in {self._timeout_s:g} s") from exc
         except OSError as exc:
             raise ConnectionLost(f"cannot connect: {exc.strerror or exc}") from exc
 
-    async def _open(self) -> Reader:
+    async def _ask_sentinels(self) -> tuple[str, int]:
+        """The primary's address (`resp_sentinel.ask`); a new one is logged."""
+        found, self._sentinel = await resp_sentinel.ask(self._target, self._timeout_s,
+                                                        self._sentinel)
+        if found != self.primary:
+            if self.primary is not None:
+                logger.warning("the Sentinels name a new primary for %r: %s:%d (was %s:%d)",
+                               self._target.master_name, *found, *self.primary)
+            self.primary = found
+        return found
+
+    async def _open(self) -> tuple[Reader, tuple[str, int] | None]:
         """A connected stream, authenticated and set up (its replies read here)."""
-        stream = await self._dial()
+        stream, address = await self._dial()
         try:
-            return await self._set_up(stream)
+            return await self._set_up(stream), address
         except trio.TooSlowError as exc:
             await stream.aclose()
             raise ConnectionLost(f"no answer to the set-up within {self._timeout_s:g} s "
@@ -273,7 +332,11 @@ class Client:
         if t.password is not None:
             commands.append(("AUTH", *([t.username] if t.username else []), t.password))
         commands += [("SELECT", t.db)] if t.db else []
+        # Best-effort: a managed service or an ACL user may refuse it (its name only
+        # helps an operator reading CLIENT LIST).
         commands.append(("CLIENT", "SETNAME", self._name))
+        if t.sentinels:  # (what a Sentinel names may be out of date: a failover under way)
+            commands.append(("ROLE",))
         with trio.fail_after(self._timeout_s):
             try:
                 if t.ssl_context is not None:  # (a refused certificate is a broken stream)
@@ -281,8 +344,14 @@ class Client:
                     await stream.do_handshake()
                 reader = Reader(stream)
                 await stream.send_all(b"".join(encode(c) for c in commands))
-                for _ in commands:
-                    if isinstance(reply := await reader.reply(), RespError):
+                for command in commands:
+                    reply = await reader.reply()
+                    if command == ("ROLE",):
+                        resp_sentinel.check_role(reply)
+                    elif isinstance(reply, RespError) and command[0] != "CLIENT":
+                        if reply.code in FAILOVER_CODES:
+                            raise ConnectionLost(f"the server is not a usable primary now "
+                                                 f"({reply})")
                         raise reply
             except _TRANSPORT as exc:  # (a refused certificate: the SSL error is the cause)
                 raise ConnectionLost(f"setting up the connection: {exc.__cause__ or exc!r}"
@@ -292,7 +361,7 @@ class Client:
     @asynccontextmanager
     async def subscribe(self, channel: str) -> AsyncIterator[Subscription]:
         """A subscription to ``channel`` on a connection of its own (raises as `execute`)."""
-        reader = await self._open()
+        reader, address = await self._open()
         try:
             confirmed = None
             with trio.move_on_after(self._timeout_s):
@@ -305,24 +374,9 @@ class Client:
                 raise ConnectionLost(f"no answer to SUBSCRIBE within {self._timeout_s:g} s")
             if isinstance(confirmed, RespError):
                 raise confirmed
-            yield Subscription(reader)
+            yield Subscription(reader, address)
         finally:
             await reader.stream.aclose()  # closes even when cancelled
-
-
-class Subscription:
-    def __init__(self, reader: Reader) -> None:
-        self._reader = reader
-
-    async def message(self) -> str:
-        """The next message's data (`ConnectionLost`: the connection ended)."""
-        while True:
-            try:
-                item = await self._reader.reply()
-            except _TRANSPORT as exc:
-                raise ConnectionLost(f"reading the subscription: {exc}") from exc
-            if isinstance(item, list) and len(item) == 3 and item[0] == "message":
-                return str(item[2])
 
 
 def open_client(url: str, *, timeout_s: float, name: str

@@ -159,7 +159,7 @@ class SharedLane:
                 ok = await self._give_back("RELEASE", m) == "released"
             now = trio.current_time()
             m.ticket.released_at = now
-            m.ticket.lease_expired = not ok
+            m.ticket.lease_expired = m.lost or not ok  # (lost: the server took it back)
             if m.ticket.started_at is not None:
                 self._avg_run_s += 0.2 * ((now - m.ticket.started_at) - self._avg_run_s)
             self._maybe_idle()
@@ -331,9 +331,9 @@ class SharedLane:
         epoch, lanes, queue_max, rpm, set_by, _pver, lost, woken, gone, reclaimed = reply[5:]
         if self.epoch and epoch != self.epoch:
             logger.warning("shared lane %s: the coordination server lost its state (a "
-                           "restart?); %d slot(s) and %d place(s) of this relay registered "
-                           "again, no new grant for one lease", self.name, len(holders),
-                           len(waiters))
+                           "restart or a failover?); %d slot(s) and %d place(s) of this "
+                           "relay registered again, no new grant for one lease", self.name,
+                           len(holders), len(waiters))
         self.epoch = str(epoch)
         self.problem = None
         stored = (int(lanes), int(queue_max), float(rpm))

@@ -28,7 +28,14 @@ knows another epoch than the stored one (the state was lost and made anew: a ser
 restart) gets ``stale`` and re-registers (`SYNC`) first. After the state is made anew by
 a relay that had known it, or within one lease of the server's own start, no grant is
 made for one lease (the quiet period): the holders of before re-register within it, so
-nothing is over-admitted. Every reply starts with its status, the lane's global running
+nothing is over-admitted. Likewise after a failover: the state names the server that
+wrote it (its ``run_id``, field ``srv``); a state found on another server (the promoted
+replica, whose copy may lack the last grants) answers ACQUIRE and PUMP ``stale``; the
+first `SYNC` there makes a new epoch and starts a quiet period, so every relay registers
+its holders and waiters again, as after a restart. ``INFO`` is
+asked with ``pcall``: where an ACL user may not run it, this and the server's uptime are
+unknown (a failover is then followed by the relays' reconnecting, without the quiet
+period). Every reply starts with its status, the lane's global running
 and queued, the ms until a start may be possible again (-1: none pending), and the
 grants it made.
 """
@@ -46,13 +53,26 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local S = {}
 local granted = {}
 
+-- This server's run_id and uptime (false, 0 where an ACL user may not run INFO).
+local function server_id()
+  local info = redis.pcall('INFO', 'server')
+  if type(info) ~= 'string' then return false, 0 end
+  return string.match(info, 'run_id:(%x+)') or false,
+         tonumber(string.match(info, 'uptime_in_seconds:(%d+)')) or 0
+end
+S.run_id, S.uptime = server_id()
+
 local function load()
   local m = redis.call('HMGET', M, 'epoch', 'lanes', 'queue_max', 'rpm', 'last', 'starts',
-                       'quiet', 'set_by', 'pver')
+                       'quiet', 'set_by', 'pver', 'srv')
   if not m[1] then return false end
   S.epoch, S.lanes, S.queue_max, S.rpm = m[1], tonumber(m[2]), tonumber(m[3]), tonumber(m[4])
   S.last, S.starts, S.quiet = tonumber(m[5]), tonumber(m[6]), tonumber(m[7])
   S.set_by, S.pver = m[8], tonumber(m[9])
+  -- The state was written by another server (a failover: the promoted replica has it,
+  -- but maybe not the last grants): no grant until SYNC has the holders registered again.
+  S.moved = (m[10] and S.run_id and m[10] ~= S.run_id) or false
+  if S.moved then S.quiet = math.max(S.quiet, now + lease) end
   return true
 end
 
@@ -148,15 +168,18 @@ SYNC = _PRELUDE + r"""
 local mode = ARGV[10]
 local known_before = known
 if not load() then
-  local uptime = tonumber(string.match(redis.call('INFO', 'server'),
-                                       'uptime_in_seconds:(%d+)')) or 0
-  local quiet = now - uptime * 1000 + lease
+  local quiet = now - S.uptime * 1000 + lease
   if known ~= '' then quiet = math.max(quiet, now + lease) end
   redis.call('HSET', M, 'epoch', t[1] .. '.' .. t[2], 'lanes', ARGV[5], 'queue_max', ARGV[6],
              'rpm', ARGV[7], 'last', -1e15, 'starts', 0, 'quiet', quiet, 'set_by', relay_id,
              'pver', 1, 'seq', 0)
   load()
 end
+if S.moved then  -- a new epoch: every relay registers its holders and waiters again
+  S.epoch, S.moved = t[1] .. '.' .. t[2], false
+  redis.call('HSET', M, 'epoch', S.epoch, 'quiet', S.quiet)
+end
+if S.run_id then redis.call('HSET', M, 'srv', S.run_id) end
 if mode == 'start' and (S.lanes ~= tonumber(ARGV[5]) or S.queue_max ~= tonumber(ARGV[6])
                         or S.rpm ~= tonumber(ARGV[7])) then
   return {'mismatch', S.lanes, S.queue_max, tostring(S.rpm), S.set_by}
@@ -216,7 +239,7 @@ return out
 # Ask for a slot. ARGV[10] member, ARGV[11] rank. Reply status: granted | queued | full |
 # stale. Asking twice with one member is harmless (the reply says where it stands).
 ACQUIRE = _PRELUDE + r"""
-if not load() or S.epoch ~= known then return {'stale', 0, 0, -1, {}} end
+if not load() or S.epoch ~= known or S.moved then return {'stale', 0, 0, -1, {}} end
 local member, rank = ARGV[10], tonumber(ARGV[11])
 prune()
 if redis.call('ZSCORE', H, member) then return reply('granted') end
@@ -270,7 +293,7 @@ return reply(had == 1 and 'released' or 'gone', pump())
 
 # Grant what the pacer or the quiet period now allows (asked at the time a reply named).
 PUMP = _PRELUDE + r"""
-if not load() or S.epoch ~= known then return {'stale', 0, 0, -1, {}} end
+if not load() or S.epoch ~= known or S.moved then return {'stale', 0, 0, -1, {}} end
 prune()
 return reply('ok', pump())
 """
