@@ -459,7 +459,7 @@ async def test_priority_header(nursery: trio.Nursery, tmp_path: Path,
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "required"),
     ("n", 3),
     ("response_format", {"type": "json_object"}),
     ("logprobs", True),

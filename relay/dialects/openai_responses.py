@@ -61,6 +61,7 @@ from typing import Any
 from relay.dialects.base import ChatInput
 from relay.dialects.openai_chat import bad_request, load_request
 from relay.vocab.errors import RelayError
+from relay.vocab.events import Inbound
 
 from .responses_render import ResponsesRender, new_response_id
 from .responses_translate import (
@@ -179,7 +180,7 @@ class ResponsesTurn(ResponsesRender):
         return ChatInput(model=data["model"], messages=t.messages,
                          stream=bool(data.get("stream")), params=t.params,
                          fallbacks=data.get("fallbacks"), include_usage=True,
-                         responses=passed)
+                         responses=passed, inbound=Inbound(names=t.names))
 
 
 def _echo(data: dict[str, Any]) -> dict[str, Any]:
