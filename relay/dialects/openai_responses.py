@@ -75,9 +75,11 @@ from .responses_translate import (
     translate_tools,
     unsupported,
 )
+from .schemas import RESPONSES_SCHEMA
+from .typed import check
 
-__all__ = ["ADVISORY", "FIELDS", "HOSTED_TOOLS", "RESPONSES", "Lookup", "ResponsesDialect",
-           "ResponsesTurn", "Translation", "new_response_id"]
+__all__ = ["ADVISORY", "FIELDS", "HOSTED_TOOLS", "RESPONSES", "RESPONSES_SCHEMA", "Lookup",
+           "ResponsesDialect", "ResponsesTurn", "Translation", "new_response_id"]
 
 # What a stored response gives back: (its whole input, its response object) or None.
 Lookup = Callable[[str], "tuple[list[dict[str, Any]], dict[str, Any]] | None"]
@@ -148,6 +150,7 @@ class ResponsesTurn(ResponsesRender):
 
     def parse(self, body: bytes) -> ChatInput:
         data = load_request(body)
+        check(data, RESPONSES_SCHEMA)
         check_request(data)
         items = expand(data, self.lookup)
         self.input_items = items
