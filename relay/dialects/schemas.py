@@ -103,6 +103,7 @@ MESSAGES_SCHEMA = Schema("anthropic", {
     "service_tier": Str(), "container": OneOf(Str(), Obj()), "mcp_servers": Arr(Obj()),
     "context_management": Obj(), "inference_geo": Str(), "speed": Str(),
     "diagnostics": Obj(), "user_profile_id": Str(), "workspace_id": Str(),
+    "cache_control": _CACHE,   # (the request's own: automatic prompt caching)
 }, required=("model", "max_tokens", "messages"))
 
 # --- OpenAI Responses ------------------------------------------------------------------------
