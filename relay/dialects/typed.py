@@ -258,7 +258,12 @@ class OneOf(Spec):
     __slots__ = ("specs",)
 
     def __init__(self, *specs: Spec, want: str = "", nullable: bool = True) -> None:
-        super().__init__(want or " or ".join(s.want for s in specs), nullable=nullable)
+        # plain: the plain types of the option that decides each type (the first)
+        deciding: dict[str, Spec] = {}
+        for spec in specs:
+            deciding.setdefault(_SPEC_KINDS.get(type(spec), "any"), spec)
+        super().__init__(want or " or ".join(s.want for s in specs), nullable=nullable,
+                         plain=frozenset().union(*(s.plain for s in deciding.values())))
         self.specs = specs
 
     def ok(self, value: Any, path: Path, problems: Problems) -> None:
