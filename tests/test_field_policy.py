@@ -22,7 +22,7 @@ import pytest
 import trio
 from cli_procs import open_cli_relay
 from cloud_helpers import every_kind_config
-from conftest import records
+from conftest import records, start_relay, wait_for
 from fake_anthropic import KEY as ANTHROPIC_KEY
 from fake_anthropic import FakeAnthropic, serve_fake_anthropic
 from fake_gemini import KEY as GEMINI_KEY
@@ -470,3 +470,41 @@ async def test_every_refused_field_in_one_400(walk: Any, dialect: str) -> None:
     assert set(error["param"].split(", ")) == set(fields.split(", ")), error
     for name in fields.split(", "):
         assert name in error["message"], (name, error)
+
+
+ONE_LANE = """
+[server]
+records = "records.jsonl"
+[providers.fake]
+adapter = "fake"
+models = ["echo"]
+[providers.fake.profile]
+lanes = 1
+queue_max = 8
+queue_timeout_s = 30
+run_timeout_s = 30
+"""
+
+
+@pytest.mark.parametrize("dialect", list(OFFERED))
+async def test_offered_tools_dropped_on_a_queued_stream_are_in_its_headers(
+        nursery: trio.Nursery, tmp_path: Path, dialect: str) -> None:
+    """A queued stream has its 200 at once, with waiting notices: the drop is known
+    before the queue (the attempt is admitted first), so its headers name it too."""
+    served = await start_relay(nursery, ONE_LANE, tmp_path)
+    path, body, _required = OFFERED[dialect]
+    async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+        async def hold() -> None:   # takes the one lane for a while
+            r = await client.post(served.url + "/v1/chat/completions", json={
+                "model": "fake/echo?delay_s=0.5", "messages": HISTORY})
+            assert r.status_code == 200, r.text
+
+        nursery.start_soon(hold)
+        await wait_for(lambda: served.relay.providers["fake"].lane.statistics().running == 1)
+        resp = await client.post(served.url + path,
+                                 json={"model": "fake/echo", "stream": True, **body})
+    assert resp.status_code == 200, resp.text
+    assert ": waiting" in resp.text, resp.text[:300]   # it was queued
+    assert "tools" in resp.headers["x-relay-ignored-fields"].split(", ")
+    await wait_for(lambda: len(records(tmp_path)) == 2)
+    assert "tools" in records(tmp_path)[-1]["ignored_fields"]
