@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install what tests/test_cli_adapters_real.py needs: the three command-line AI tools from
+# Install what tests/test_cli_adapters_real.py needs (and opencode, a client of relay in
+# tests/test_opencode_client.py): the three command-line AI tools from
 # the npm registry (global, pinned to the versions notes/cli-tools.md observed) and iproute2
 # (`ip netns`: the real tools run in a network namespace that has only loopback).
 # Idempotent: a tool already installed at its pinned version is left alone.
@@ -10,6 +11,7 @@ PINS=(
   "@anthropic-ai/claude-code@2.1.332"
   "@openai/codex@0.171.0"
   "@google/gemini-cli@0.61.0"
+  "opencode-ai@1.18.33"          # a client of relay (tests/test_opencode_client.py)
 )
 
 if ! command -v ip >/dev/null 2>&1; then
@@ -37,7 +39,7 @@ if ((${#missing[@]})); then
   # npm's EBADENGINE warning is expected on Node 20.
   npm install -g --no-progress --loglevel=error "${missing[@]}"
 fi
-for tool in claude codex gemini; do
+for tool in claude codex gemini opencode; do
   command -v "$tool" >/dev/null || { echo "install-clis: $tool not on PATH" >&2; exit 1; }
 done
-echo "install-clis: claude $(claude --version 2>/dev/null | head -1); codex $(codex --version 2>/dev/null | head -1); gemini $(gemini --version 2>/dev/null | head -1)"
+echo "install-clis: claude $(claude --version 2>/dev/null | head -1); codex $(codex --version 2>/dev/null | head -1); gemini $(gemini --version 2>/dev/null | head -1); opencode $(opencode --version 2>/dev/null | head -1)"

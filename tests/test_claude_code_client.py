@@ -9,10 +9,11 @@ the switches that turn its telemetry, error reports and updates off; and
 ``ANTHROPIC_SMALL_FAST_MODEL`` naming a route of relay's for the small model it uses in the
 background. Shown, each with a ``Read`` of a file placed in a throwaway work folder:
 ``claude -p`` answers through relay, streamed, against (a) an OpenAI-compatible provider
-that answers with tool calls and (b) the ``anthropic`` adapter; ``claude -p --tools ""``
-answers through a CLI-tool provider (the fake claude), and with its default tools gets a
-400 naming ``tools``. Skipped, saying why, without ``claude``, root or ``ip netns``
-(CI installs them and turns skips into failures).
+that answers with tool calls and (b) the ``anthropic`` adapter; ``claude -p`` answers
+through a CLI-tool provider (the fake claude) and on the packaged default's ``fake/echo``,
+with its default tools (offered tools are advisory there, SPEC A1a amended: dropped and
+reported in the record), and with ``--tools ""``. Skipped, saying why, without
+``claude``, root or ``ip netns`` (CI installs them and turns skips into failures).
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ class Sandbox:
             [providers.tool]
             adapter = "claude-cli"
             command = "{FAKE_CLI / 'claude'}"
+            [providers.fake]        # the packaged default's own
+            adapter = "fake"
+            models = ["echo"]
             [routes.small]
             primary = "up/agent"
             """))
@@ -255,7 +259,21 @@ async def test_claude_code_with_no_tools_through_a_cli_tool_provider(
     records_before = len(sandbox.records())
     done = await sandbox.claude("Say hello.", "--model", "tool/ok")   # its default tools
     said = (done.stdout + done.stderr).decode(errors="replace")
-    assert done.returncode != 0, said
-    assert "400" in said and "tools" in said, said
-    recs = sandbox.records()[records_before:]
-    assert recs and recs[-1]["status"] == 400 and recs[-1]["reason"] == "unsupported", recs
+    assert done.returncode == 0, said
+    assert "FAKE-CLAUDE-OK" in said, said
+    recs = [r for r in sandbox.records()[records_before:] if r["provider"] == "tool"]
+    assert recs and all(r["status"] == 200 for r in recs), recs
+    assert "tools" in recs[-1]["ignored_fields"], recs[-1]   # offered: dropped, reported
+
+
+async def test_claude_code_on_fake_echo_with_its_default_tools(sandbox: Sandbox) -> None:
+    records_before = len(sandbox.records())
+    done = await sandbox.claude("Say hello to FAKE-ECHO-7.", "--model", "fake/echo")
+    out = done.stdout.decode(errors="replace")
+    assert done.returncode == 0, (out, done.stderr.decode(errors="replace"))
+    assert "FAKE-ECHO-7" in out, out   # the echo of the prompt
+    recs = [r for r in sandbox.records()[records_before:] if r["provider"] == "fake"]
+    print(f"\nclaude -p --model fake/echo: {out.strip()[:80]!r}; ignored: "
+          f"{recs[-1]['ignored_fields'] if recs else None}")
+    assert recs and all(r["status"] == 200 and r["stream"] for r in recs), recs
+    assert "tools" in recs[-1]["ignored_fields"], recs[-1]

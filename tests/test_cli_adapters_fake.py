@@ -143,7 +143,13 @@ async def test_system_prompt_and_transcript_reach_the_tool(
     ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]},
      "messages"),
-    ({"n": 2}, "n"), ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"n": 2}, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "tools, tool_choice"),
+    ({"n": 2, "parallel_tool_calls": False, "logprobs": True,
+      "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "n, parallel_tool_calls, logprobs, tools, tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"stop": ["END"]}, "stop"), ({"logprobs": True}, "logprobs"),
 ])

@@ -13,6 +13,10 @@ the throwaway work folder holds — through each kind of provider:
 (c) an OpenAI-compatible provider that speaks Responses itself (``responses = true``:
     the pass-through).
 
+And on the packaged default's ``fake/echo`` (no tool calls), with Codex's default
+tools all offered: it answers, and the answer reports the tools dropped (SPEC A1a
+amended: offered tools are advisory there).
+
 A test skips, saying why, when ``codex``, ``ip netns`` or root is missing (CI makes skips
 failures).
 """
@@ -103,6 +107,9 @@ lanes = 2
 queue_max = 8
 queue_timeout_s = 30
 run_timeout_s = 60
+[providers.fake]                    # the packaged default's own
+adapter = "fake"
+models = ["echo"]
 """)
         env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
         env.update(PYTHONPATH=str(ROOT), XDG_STATE_HOME=str(self.root / "state"),
@@ -256,3 +263,20 @@ def test_codex_gets_relays_verdict_on_a_failure(stage: Stage, tmp_path: Path,
         "502" in failed[-1]["error"]["message"], failed
     recs = stage.records()[before:]
     assert [(r["status"], r["reason"]) for r in recs] == [(502, "upstream_error")], recs
+
+
+def test_codex_answers_on_fake_echo_with_its_default_tools(stage: Stage,
+                                                           tmp_path: Path) -> None:
+    stage.work = tmp_path
+    before = len(stage.records())
+    # The README's settings ("Coding agents"), retries off included.
+    events = run_codex(stage, "fake/echo", "Say hello to FAKE-ECHO-7.",
+                       provider_extra="request_max_retries = 0\nstream_max_retries = 0\n")
+    messages = [e["item"]["text"] for e in events if e.get("type") == "item.completed"
+                and e["item"].get("type") == "agent_message"]
+    assert messages and "FAKE-ECHO-7" in messages[-1], events   # the echo of the prompt
+    recs = [r for r in stage.records()[before:] if r["provider"] == "fake"]
+    print(f"\ncodex exec on fake/echo: {messages[-1][:80]!r}; ignored: "
+          f"{recs[-1]['ignored_fields'] if recs else None}")
+    assert recs and all(r["status"] == 200 and r["stream"] for r in recs), recs
+    assert "tools" in recs[-1]["ignored_fields"], recs[-1]   # its tools, dropped

@@ -22,6 +22,7 @@ import pytest
 import trio
 from cli_procs import open_cli_relay
 from cloud_helpers import every_kind_config
+from conftest import records, start_relay, wait_for
 from fake_anthropic import KEY as ANTHROPIC_KEY
 from fake_anthropic import FakeAnthropic, serve_fake_anthropic
 from fake_gemini import KEY as GEMINI_KEY
@@ -187,8 +188,21 @@ def test_what_spec_a1a_names_is_treated_so(kind: str) -> None:
     # refused: what the answer would silently lose
     assert treat(kind, "logprobs", True) is REFUSED
     assert treat(kind, "n", 2) in (REFUSED, TRANSLATED)
+    # tools: offered (tool_choice absent or auto) are advisory without tool calls; a
+    # required tool call is refused, with the tools (the amended A1a)
     tools = treat(kind, "tools", [TOOL])
-    assert tools is (TRANSLATED if adapter.capabilities.tools else REFUSED)
+    assert tools is (TRANSLATED if adapter.capabilities.tools else ADVISORY)
+    for choice in ("auto", "none"):
+        offered = {"tools": [TOOL], "tool_choice": choice}
+        assert treat(kind, "tools", [TOOL], offered) is tools
+        if not adapter.capabilities.tools:
+            assert treat(kind, "tool_choice", choice, offered) is NEUTRAL
+            assert treat(kind, "parallel_tool_calls", False, offered) is NEUTRAL
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        required = {"tools": [TOOL], "tool_choice": choice}
+        want = TRANSLATED if adapter.capabilities.tools else REFUSED
+        assert treat(kind, "tools", [TOOL], required) is want, choice
+        assert treat(kind, "tool_choice", choice, required) is want, choice
     if kind in ("fake", "anthropic", "claude-cli", "codex-cli", "gemini-cli"):
         assert treat(kind, "response_format", {"type": "json_object"}) is REFUSED
     # advisory: hints, dropped and reported
@@ -366,3 +380,131 @@ async def test_every_field_through_every_cli_kind(walk: Any, kind: str) -> None:
                 accepted.update(fields)
         resp, sent = await send(walk, kind, dialect, accepted)
         check(kind, dialect, accepted, resp, sent)
+
+
+# --- offered tools on a provider without tool calls; every refusal at once (issue 27) -----
+
+RTOOL = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}
+# (path, body with offered tools, the same requiring a call) per dialect
+OFFERED: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "openai": ("/v1/chat/completions",
+               {"messages": HISTORY, "tools": [TOOL], "tool_choice": "auto",
+                "parallel_tool_calls": False},
+               {"tool_choice": "required"}),
+    "anthropic": ("/v1/messages",
+                  {"messages": HISTORY, "max_tokens": 64, "tools": [
+                      {**ATOOL, "defer_loading": True}],
+                   "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}},
+                  {"tool_choice": {"type": "any"}}),
+    "responses": ("/v1/responses",
+                  {"input": "hi there", "tools": [RTOOL, {"type": "web_search"}],
+                   "tool_choice": "auto", "parallel_tool_calls": False},
+                  {"tool_choice": {"type": "function", "name": "f"}}),
+}
+
+
+def error_of(dialect: str, resp: httpx.Response) -> dict[str, Any]:
+    """The E1 fields of a refusal in the dialect's own shape."""
+    body = resp.json()
+    if dialect == "anthropic":
+        assert body["type"] == "error", body
+        return {**body["error"]["relay"], "message": body["error"]["message"]}
+    return body["error"]
+
+
+@pytest.mark.parametrize("dialect", list(OFFERED))
+@pytest.mark.parametrize("stream", [False, True])
+async def test_offered_tools_are_advisory_on_fake_echo(walk: Any, tmp_path: Path,
+                                                       dialect: str, stream: bool) -> None:
+    """Offered tools are dropped and reported — the header and the record — and the
+    answer is the fake's echo; a required tool call is a 400 naming the tool fields."""
+    served, _fakes, client = walk
+    path, body, required = OFFERED[dialect]
+    body = {"model": "fake/echo", "stream": stream, **body}
+    resp = await client.post(served.url + path, json=body)
+    assert resp.status_code == 200, resp.text
+    header = resp.headers["x-relay-ignored-fields"].split(", ")
+    assert "tools" in header, header
+    assert not {"tool_choice", "parallel_tool_calls",
+                "tool_choice.disable_parallel_tool_use", "tools.defer_loading"} & set(header)
+    assert "there" in resp.text   # the echo (streamed: word by word)
+    rec = records(tmp_path)[-1]
+    assert rec["status"] == 200 and "tools" in rec["ignored_fields"], rec
+    if dialect == "responses":
+        assert "tools.web_search" in header and "tools.web_search" in rec["ignored_fields"]
+
+    resp = await client.post(served.url + path, json={**body, **required})
+    assert resp.status_code == 400, resp.text
+    error = error_of(dialect, resp)
+    assert error["code"] == "unsupported", error
+    assert {"tools", "tool_choice"} <= set(error["param"].split(", ")), error
+    assert "'tools'" in error["message"] and "'tool_choice'" in error["message"], error
+
+
+# Several refused fields in one request, per dialect: (body, the fields the 400 names).
+MANY: dict[str, tuple[dict[str, Any], str]] = {
+    "openai": ({"messages": HISTORY, "n": 2, "parallel_tool_calls": False, "logprobs": True,
+                "tools": [TOOL], "tool_choice": "required"},
+               "n, parallel_tool_calls, logprobs, tools, tool_choice"),
+    "anthropic": ({"messages": HISTORY, "max_tokens": 64, "tools": [ATOOL],
+                   "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+                   "container": "c-1", "mcp_servers": [{"type": "url", "url": "u"}]},
+                  "tools, tool_choice, container, mcp_servers"),
+    "responses": ({"input": "hi", "tools": [RTOOL], "tool_choice": "required",
+                   "parallel_tool_calls": False, "top_logprobs": 2,
+                   "brand_new_field": 1},
+                  "brand_new_field, tools, tool_choice, parallel_tool_calls, top_logprobs"),
+}
+
+
+@pytest.mark.parametrize("dialect", list(MANY))
+async def test_every_refused_field_in_one_400(walk: Any, dialect: str) -> None:
+    """shell-gpt's case: one 400 names every refused field, in the dialect's shape."""
+    served, _fakes, client = walk
+    body, fields = MANY[dialect]
+    resp = await client.post(served.url + OFFERED[dialect][0],
+                             json={"model": "fake/echo", **body})
+    assert resp.status_code == 400, resp.text
+    error = error_of(dialect, resp)
+    assert error["code"] == "unsupported"
+    assert set(error["param"].split(", ")) == set(fields.split(", ")), error
+    for name in fields.split(", "):
+        assert name in error["message"], (name, error)
+
+
+ONE_LANE = """
+[server]
+records = "records.jsonl"
+[providers.fake]
+adapter = "fake"
+models = ["echo"]
+[providers.fake.profile]
+lanes = 1
+queue_max = 8
+queue_timeout_s = 30
+run_timeout_s = 30
+"""
+
+
+@pytest.mark.parametrize("dialect", list(OFFERED))
+async def test_offered_tools_dropped_on_a_queued_stream_are_in_its_headers(
+        nursery: trio.Nursery, tmp_path: Path, dialect: str) -> None:
+    """A queued stream has its 200 at once, with waiting notices: the drop is known
+    before the queue (the attempt is admitted first), so its headers name it too."""
+    served = await start_relay(nursery, ONE_LANE, tmp_path)
+    path, body, _required = OFFERED[dialect]
+    async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+        async def hold() -> None:   # takes the one lane for a while
+            r = await client.post(served.url + "/v1/chat/completions", json={
+                "model": "fake/echo?delay_s=0.5", "messages": HISTORY})
+            assert r.status_code == 200, r.text
+
+        nursery.start_soon(hold)
+        await wait_for(lambda: served.relay.providers["fake"].lane.statistics().running == 1)
+        resp = await client.post(served.url + path,
+                                 json={"model": "fake/echo", "stream": True, **body})
+    assert resp.status_code == 200, resp.text
+    assert ": waiting" in resp.text, resp.text[:300]   # it was queued
+    assert "tools" in resp.headers["x-relay-ignored-fields"].split(", ")
+    await wait_for(lambda: len(records(tmp_path)) == 2)
+    assert "tools" in records(tmp_path)[-1]["ignored_fields"]

@@ -387,10 +387,12 @@ INVALID: list[tuple[str, bytes, str | None]] = [
     ("missing messages", json.dumps({"model": "fake/echo"}).encode(), "messages"),
     ("empty messages", _body(messages=[]), "messages"),
     ("messages not a list", _body(messages="hi"), "messages"),
-    ("message not an object", _body(messages=["hi"]), "messages"),
-    ("message without role", _body(messages=[{"content": "hi"}]), "messages"),
-    ("unknown role", _body(messages=[{"role": "robot", "content": "hi"}]), "messages"),
-    ("content a number", _body(messages=[{"role": "user", "content": 5}]), "messages"),
+    ("message not an object", _body(messages=["hi"]), "messages[0]"),
+    ("message without role", _body(messages=[{"content": "hi"}]), "messages[0].role"),
+    ("unknown role", _body(messages=[{"role": "robot", "content": "hi"}]),
+     "messages[0].role"),
+    ("content a number", _body(messages=[{"role": "user", "content": 5}]),
+     "messages[0].content"),
     ("stream a string", _body(stream="yes"), "stream"),
     ("stream a number", _body(stream=1), "stream"),
     ("max_tokens 0", _body(max_tokens=0), "max_tokens"),
@@ -459,7 +461,7 @@ async def test_priority_header(nursery: trio.Nursery, tmp_path: Path,
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "required"),
     ("n", 3),
     ("response_format", {"type": "json_object"}),
     ("logprobs", True),
@@ -595,7 +597,7 @@ async def test_unhashable_role_is_a_400(nursery: trio.Nursery, tmp_path: Path,
     served = await start_relay(nursery, FAKE_ONLY, tmp_path)
     r = await client.post(served.url + CHAT,
                           json=chat("fake/echo", messages=[{"role": role, "content": "hi"}]))
-    refused(r, 400, "invalid_request", "messages")
+    refused(r, 400, "invalid_request", "messages[0].role")
     untouched(served)
 
 

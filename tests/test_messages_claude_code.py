@@ -9,7 +9,8 @@ system blocks with ``cache_control``, a ``role: "system"`` message after the use
   nothing of the Messages dialect raw (before: a 400 for the system message, and
   ``thinking``, ``output_config``, ``context_management`` forwarded raw);
 - a CLI-tool provider answers ``tools: []`` (before: a 400 for ``tools``), with the system
-  message in the transcript, and refuses real tools by name;
+  message in the transcript; its default tools, only offered, are dropped and reported
+  (SPEC A1a amended), and a required tool call is refused naming every field at once;
 - the ``anthropic`` adapter gets the request unchanged: thinking and redacted-thinking
   blocks with their signatures byte for byte, ``cache_control``, ``anthropic-version`` and
   ``anthropic-beta``; the answer's thinking signature comes back to the client;
@@ -164,16 +165,26 @@ async def test_claude_code_with_no_tools_through_a_cli_provider(fakes: Any,
         assert "User: hello\n\nSystem: # Environment" in text, text
         assert {"thinking", "max_tokens", "metadata"} <= names(r)
 
-        # Its default tools are refused by name, in Anthropic's shape.
-        r = await client.post(served.url + MESSAGES, headers=HEADERS,
-                              json=claude_code_body([READ], model="claude/echo"))
+        # Its default tools, only offered, are dropped and reported: it answers as chat.
+        r = await client.post(served.url + MESSAGES, headers=HEADERS, json=claude_code_body(
+            [{**READ, "defer_loading": True}], model="claude/echo", stream=False))
+        assert r.status_code == 200, r.text
+        assert "tools" in names(r) and "tools.defer_loading" not in names(r), names(r)
+        assert "Reads a file" not in r.json()["content"][-1]["text"]   # never sent on
+
+        # A tool call required is refused, naming every refused field at once, in
+        # Anthropic's shape.
+        r = await client.post(served.url + MESSAGES, headers=HEADERS, json=claude_code_body(
+            [READ], model="claude/echo", tool_choice={"type": "any"},
+            stop_sequences=["END"]))
         assert r.status_code == 400, r.text
         error = r.json()
         assert error["type"] == "error"
         assert error["error"]["type"] == "invalid_request_error"
         assert error["error"]["relay"]["code"] == "unsupported"
-        assert error["error"]["relay"]["param"] == "tools"
-        assert "'tools'" in error["error"]["message"]
+        assert error["error"]["relay"]["param"] == "stop_sequences, tools, tool_choice"
+        for name in ("'tools'", "'tool_choice'", "'stop_sequences'"):
+            assert name in error["error"]["message"], error
 
 
 HISTORY = [

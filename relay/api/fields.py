@@ -12,7 +12,15 @@ Every field a client may send is, for the provider that serves it, one `Treatmen
 - ``NEUTRAL``: a value that asks for nothing (``tools: []``, ``n: 1``, a null): accepted,
   and not sent where it would mean nothing;
 - ``REFUSED``: a field whose meaning the answer would silently lose: a 400
-  ``unsupported`` naming it.
+  ``unsupported`` naming it — one 400 naming every refused field of the request at once.
+
+Tools on a kind without tool calls (its column refuses ``tools``: the fake, every CLI
+tool as a plain answerer): tools only *offered* (no tool call required: ``tool_choice``
+absent, ``auto`` or ``none``) are advisory — a model may always answer in text, so
+nothing the client asked for is lost — and ``tool_choice``, ``parallel_tool_calls`` and
+the tools' own nested fields (Messages' ``tools.defer_loading``, …) follow them into
+the drop as neutral; a tool call *required* (``tool_choice`` ``required``/``any``, a
+named tool, a named ``function_call``) is refused, with the tools (`tool_call_required`).
 
 The rows. relay's one internal request is OpenAI's chat shape, so every dialect's fields
 end in one of two places: a chat-level param (`CHAT_FIELDS`; a Messages
@@ -48,7 +56,7 @@ from relay.vocab.events import Call
 __all__ = ["ACCOUNTING", "ADVISORY", "CHAT_FIELDS", "EFFORT", "LIMITS", "NEUTRAL",
            "OUTPUT", "OWN_FIELDS", "PASSED", "REFUSED", "RELAY_FIELDS", "SAMPLING", "TOOLS",
            "TRANSLATED", "Admitted", "Column", "FieldInfo", "Rule", "Treatment", "admit",
-           "column"]
+           "column", "refusal_of", "tool_call_required"]
 
 
 class Treatment(enum.Enum):
@@ -192,6 +200,13 @@ class Column:
     unknown: Treatment
     own: Mapping[tuple[str, str], Treatment] = attrs.field(factory=dict)
 
+    def offered_only(self, params: Mapping[str, Any]) -> bool:
+        """Whether this kind (without tool calls) drops the call's tools as advisory: they
+        are only offered, no tool call is required (the module docstring)."""
+        rule = self.rules.get("tools")
+        return rule is not None and rule.treatment is REFUSED and \
+            not tool_call_required(params)
+
     def treat(self, name: str, value: Any, params: Mapping[str, Any]) -> Treatment:
         """A chat-level param's treatment, its value considered."""
         info = CHAT_FIELDS.get(name)
@@ -200,6 +215,8 @@ class Column:
                              and info.neutral(value, params)) or (
                 rule is not None and rule.neutral is not None and rule.neutral(value, params)):
             return NEUTRAL
+        if name in _TOOL_GROUP and self.offered_only(params):
+            return ADVISORY if name in _DEFINITIONS else NEUTRAL
         return rule.treatment if rule is not None else self.unknown
 
     def treat_own(self, dialect: str, name: str, value: Any,
@@ -209,10 +226,33 @@ class Column:
         if value is None or (info is not None and info.neutral is not None
                              and info.neutral(value, params)):
             return NEUTRAL
+        if name.startswith("tools.") and self.offered_only(params):
+            return NEUTRAL  # dropped with the tools it belongs to
         own = self.own.get((dialect, name))
         if own is not None:
             return own
         return info.elsewhere if info is not None else REFUSED
+
+
+# Tool definitions, and the fields that only say how they are used.
+_DEFINITIONS = frozenset({"tools", "functions"})
+_TOOL_GROUP = frozenset(TOOLS)
+
+
+def tool_call_required(params: Mapping[str, Any]) -> bool:
+    """Whether a chat-level request requires a tool call (not only offers tools):
+    ``tool_choice`` ``required`` (Messages' ``any``, Responses' ``required``), a named
+    tool, ``allowed_tools`` in ``required`` mode, or a named ``function_call``."""
+    choice = params.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") == "allowed_tools":
+            allowed = choice.get("allowed_tools")
+            mode = allowed.get("mode") if isinstance(allowed, dict) else choice.get("mode")
+            return mode == "required"
+        return True
+    if choice in ("required", "any"):
+        return True
+    return isinstance(params.get("function_call"), dict)
 
 
 def column(*, speaks: str | None = None, unknown: Treatment = REFUSED,
@@ -252,18 +292,20 @@ def admit(policy: Column, call: Call, *, provider: str, kind: str,
     """Sort ``call``'s fields by ``policy``.
 
     Raises:
-        RelayError: ``unsupported`` naming the first refused field (an advisory one too
-            when ``strict``).
+        RelayError: ``unsupported`` naming every refused field at once (the advisory
+            ones too when ``strict``).
     """
     inbound = call.inbound
     if policy.speaks == inbound.dialect:
         return Admitted(call)  # the client speaks the provider's dialect: all passed
     ignored: list[str] = []
+    refused: list[str] = []
 
     def drop(name: str, treatment: Treatment) -> None:
         if treatment is REFUSED or (treatment is ADVISORY and strict):
-            raise _refusal(name, provider, kind, strict=treatment is ADVISORY)
-        if treatment is ADVISORY and name not in ignored:
+            if name not in refused:
+                refused.append(name)
+        elif treatment is ADVISORY and name not in ignored:
             ignored.append(name)
 
     kept: dict[str, Any] = {}
@@ -277,20 +319,44 @@ def admit(policy: Column, call: Call, *, provider: str, kind: str,
         treatment = policy.treat_own(inbound.dialect, name, value, call.params)
         if treatment not in (PASSED, TRANSLATED):  # the adapter reads a translated one
             drop(name, treatment)
+    if refused:
+        raise _refusal(refused, provider, kind, strict=strict)
     # Nothing of the client's own request goes on to a provider of another dialect.
     sorted_call = attrs.evolve(call, params=kept, inbound=attrs.evolve(
         inbound, body=None, headers={}))
     return Admitted(sorted_call, tuple(ignored))
 
 
-def _refusal(name: str, provider: str, kind: str, *, strict: bool) -> RelayError:
+def _refusal(names: list[str], provider: str, kind: str, *, strict: bool) -> RelayError:
+    """One refusal naming every refused field (``param``: their top-level fields, joined
+    by ``, ``)."""
+    fields = ", ".join(repr(n) for n in names)
+    what = f"the request field {fields}" if len(names) == 1 else f"the request fields {fields}"
+    it = "it" if len(names) == 1 else "them"
     if strict:
         why = (f"provider {provider!r} ({kind}) has strict_fields = true and cannot "
-               f"honour the request field {name!r}; remove it, or choose another provider")
+               f"honour {what}; remove {it}, or choose another provider")
     else:
-        why = (f"provider {provider!r} ({kind}) cannot honour the request field {name!r}; "
-               "remove it or choose another provider")
-    return RelayError("unsupported", why, provider=provider, param=_param(name))
+        why = (f"provider {provider!r} ({kind}) cannot honour {what}; remove {it} or "
+               "choose another provider")
+    if any(n in _DEFINITIONS or n.startswith("tool") for n in names):
+        why += (" (tools only offered are dropped on a provider without tool calls; a "
+                "tool call required by tool_choice is refused)")
+    params = list(dict.fromkeys(_param(n) for n in names))
+    return RelayError("unsupported", why, provider=provider, param=", ".join(params))
+
+
+def refusal_of(errors: Iterable[RelayError]) -> RelayError:
+    """Several refusals of one request as one: every field named (SPEC A1a). One error
+    is itself; ``unsupported`` wins over ``invalid_request`` for the reason."""
+    errors = list(errors)
+    if len(errors) == 1:
+        return errors[0]
+    first = errors[0]
+    params = list(dict.fromkeys(p for e in errors if e.param for p in e.param.split(", ")))
+    reason = "unsupported" if any(e.reason == "unsupported" for e in errors) else first.reason
+    return RelayError(reason, "; ".join(dict.fromkeys(e.message for e in errors)),
+                      provider=first.provider, param=", ".join(params) or None)
 
 
 def _param(name: str) -> str:

@@ -47,9 +47,11 @@ from relay.vocab.errors import RelayError
 from relay.vocab.events import Inbound
 
 from .anthropic_render import STOP_REASONS, AnthropicRender, AnthropicStream
+from .schemas import MESSAGES_SCHEMA
+from .typed import check
 
-__all__ = ["ANTHROPIC", "PASSED_HEADERS", "STOP_REASONS", "AnthropicDialect",
-           "AnthropicStream", "parse_messages_body"]
+__all__ = ["ANTHROPIC", "MESSAGES_SCHEMA", "PASSED_HEADERS", "STOP_REASONS",
+           "AnthropicDialect", "AnthropicStream", "parse_messages_body"]
 
 
 _TOOL_CHOICE: dict[str, Any] = {"auto": "auto", "any": "required", "none": "none"}
@@ -342,6 +344,9 @@ def parse_messages_body(body: bytes) -> ChatInput:
             relay cannot translate.
     """
     data = load_request(body)
+    if "n" in data:
+        raise _bad("'n' is not a Messages API field: a message has one answer", "n")
+    check(data, MESSAGES_SCHEMA)
     max_tokens = data.get("max_tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or \
             not 1 <= max_tokens <= INT_MAX:

@@ -17,10 +17,12 @@ from relay.dialects.base import Answer, ChatInput, dumps
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Delta, Finish, Usage
 
-__all__ = ["INT_MAX", "MAX_JSON_DEPTH", "OPENAI", "OpenAIDialect", "bad_request", "load_json",
-           "load_request", "parse_chat_body"]
+from .schemas import CHAT_SCHEMA
+from .typed import INT_MAX, check
 
-INT_MAX = 2**31 - 1
+__all__ = ["CHAT_SCHEMA", "INT_MAX", "MAX_JSON_DEPTH", "OPENAI", "OpenAIDialect",
+           "bad_request", "load_json", "load_request", "parse_chat_body"]
+
 # How deep a request body may nest (objects and arrays; the body itself is level 1). Real
 # requests, JSON schemas of tools included, stay far below it; relay and every encoder
 # after it (httpx, the dialects, the records) take it with room to spare on the stack.
@@ -33,7 +35,7 @@ def bad_request(message: str, param: str | None = None) -> RelayError:
     return RelayError("invalid_request", message, param=param)
 
 
-_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
 
 
 def load_json(body: bytes) -> Any:
@@ -147,44 +149,22 @@ def load_request(body: bytes) -> dict[str, Any]:
 
 
 def parse_chat_body(body: bytes) -> dict[str, Any]:
-    """Check what relay itself reads from a chat body; everything else passes through.
+    """Check a chat body: every field's type and range (`CHAT_SCHEMA`), and what the
+    schema cannot say (a text part holds its text); everything else passes through.
 
     Raises:
         RelayError: ``invalid_request`` naming the field.
     """
     data = load_request(body)
-    messages = data.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("'messages' must be a non-empty list of messages", "messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise bad_request(f"messages[{i}] must be an object", "messages")
-        role = message.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise bad_request(f"messages[{i}].role must be one of {', '.join(sorted(_ROLES))}",
-                       "messages")
+    check(data, CHAT_SCHEMA)
+    for i, message in enumerate(data["messages"]):
         content = message.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise bad_request(f"messages[{i}].content must be a string or a list of parts",
-                       "messages")
-        for j, part in enumerate(content if isinstance(content, list) else ()):
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise bad_request(f"messages[{i}].content[{j}] must be an object with a 'type'",
-                           "messages")
-            if part["type"] == "text" and not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{i}].content[{j}].text must be a string", "messages")
-    if data.get("stream") is not None and not isinstance(data["stream"], bool):  # null: no
-        raise bad_request("'stream' must be true or false", "stream")
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        value = data.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not 1 <= value <= INT_MAX):
-            raise bad_request(f"'{key}' must be a whole number from 1 to {INT_MAX}", key)
-    options = data.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise bad_request("'stream_options' must be an object", "stream_options")
+        if type(content) is list:
+            for j, part in enumerate(content):
+                if part["type"] == "text" and type(part.get("text")) is not str:
+                    raise bad_request(f"messages[{i}].content[{j}].text must be a string",
+                                      f"messages[{i}].content[{j}].text")
     return data
-
 
 
 class OpenAIDialect:

@@ -28,10 +28,12 @@ import attrs
 from relay.vocab.errors import RelayError
 
 from .openai_chat import INT_MAX, bad_request, load_request
+from .schemas import EMBEDDINGS_SCHEMA, ENCODINGS
+from .typed import check
 
-__all__ = ["ENCODINGS", "EmbeddingsInput", "parse_embeddings_body", "render_embeddings"]
+__all__ = ["EMBEDDINGS_SCHEMA", "ENCODINGS", "EmbeddingsInput", "parse_embeddings_body",
+           "render_embeddings"]
 
-ENCODINGS = ("float", "base64")
 
 
 @attrs.frozen(kw_only=True)
@@ -69,6 +71,7 @@ def parse_embeddings_body(body: bytes) -> EmbeddingsInput:
             ``fallbacks``.
     """
     data = load_request(body)
+    check(data, EMBEDDINGS_SCHEMA)
     encoding = data.get("encoding_format")
     if encoding is None:
         encoding = "float"

@@ -61,6 +61,7 @@ from typing import Any
 from relay.dialects.base import ChatInput
 from relay.dialects.openai_chat import bad_request, load_request
 from relay.vocab.errors import RelayError
+from relay.vocab.events import Inbound
 
 from .responses_render import ResponsesRender, new_response_id
 from .responses_translate import (
@@ -74,9 +75,11 @@ from .responses_translate import (
     translate_tools,
     unsupported,
 )
+from .schemas import RESPONSES_SCHEMA
+from .typed import check
 
-__all__ = ["ADVISORY", "FIELDS", "HOSTED_TOOLS", "RESPONSES", "Lookup", "ResponsesDialect",
-           "ResponsesTurn", "Translation", "new_response_id"]
+__all__ = ["ADVISORY", "FIELDS", "HOSTED_TOOLS", "RESPONSES", "RESPONSES_SCHEMA", "Lookup",
+           "ResponsesDialect", "ResponsesTurn", "Translation", "new_response_id"]
 
 # What a stored response gives back: (its whole input, its response object) or None.
 Lookup = Callable[[str], "tuple[list[dict[str, Any]], dict[str, Any]] | None"]
@@ -147,6 +150,7 @@ class ResponsesTurn(ResponsesRender):
 
     def parse(self, body: bytes) -> ChatInput:
         data = load_request(body)
+        check(data, RESPONSES_SCHEMA)
         check_request(data)
         items = expand(data, self.lookup)
         self.input_items = items
@@ -179,7 +183,7 @@ class ResponsesTurn(ResponsesRender):
         return ChatInput(model=data["model"], messages=t.messages,
                          stream=bool(data.get("stream")), params=t.params,
                          fallbacks=data.get("fallbacks"), include_usage=True,
-                         responses=passed)
+                         responses=passed, inbound=Inbound(names=t.names))
 
 
 def _echo(data: dict[str, Any]) -> dict[str, Any]:

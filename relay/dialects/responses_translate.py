@@ -62,6 +62,8 @@ class Translation:
     params: dict[str, Any] = attrs.field(factory=dict)
     ignored: list[str] = attrs.field(factory=list)
     problems: list[RelayError] = attrs.field(factory=list)
+    # a chat-level param → the client's name for it, where they differ (Inbound.names)
+    names: dict[str, str] = attrs.field(factory=dict)
     custom: set[str] = attrs.field(factory=set)            # chat names of custom tools
     namespaced: dict[str, tuple[str, str]] = attrs.field(factory=dict)  # chat name → ns, name
 
@@ -292,6 +294,7 @@ def _reasoning(reasoning: Any, t: Translation) -> None:
         raise bad_request("'reasoning' must be an object", "reasoning")
     if isinstance(reasoning.get("effort"), str):
         t.params["reasoning_effort"] = reasoning["effort"]
+        t.names["reasoning_effort"] = "reasoning.effort"
     for key in ("summary", "generate_summary"):
         if reasoning.get(key) not in (None, "none"):
             t.drop(f"reasoning.{key}")
@@ -315,6 +318,7 @@ def translate_fields(data: dict[str, Any], t: Translation) -> None:
     params = t.params
     if (limit := _whole(data, "max_output_tokens")) is not None:
         params["max_tokens"] = limit
+        t.names["max_tokens"] = "max_output_tokens"
     for key in ("temperature", "top_p"):
         _number(data, key)
         if data.get(key) is not None:
@@ -322,6 +326,7 @@ def translate_fields(data: dict[str, Any], t: Translation) -> None:
     if data.get("top_logprobs") is not None:
         params["logprobs"] = True
         params["top_logprobs"] = data["top_logprobs"]
+        t.names["logprobs"] = "top_logprobs"
     if data.get("user") is not None:
         params["user"] = data["user"]
     if data.get("parallel_tool_calls") is not None:
@@ -331,8 +336,10 @@ def translate_fields(data: dict[str, Any], t: Translation) -> None:
         raise bad_request("'include' must be a list", "include")
     if _NEUTRAL_INCLUDE_LOGPROBS in (include or ()):
         params["logprobs"] = True
+        t.names.setdefault("logprobs", "include")
     if data.get("text") is not None:
         _text_format(data["text"], t)
+        t.names["response_format"] = "text.format"
     if data.get("reasoning") is not None:
         _reasoning(data["reasoning"], t)
     if data.get("truncation") not in (None, "disabled"):

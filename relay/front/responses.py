@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from relay.api.fields import refusal_of
 from relay.dialects.openai_responses import RESPONSES, ResponsesTurn, new_response_id
 from relay.engine.engine import Engine
 from relay.engine.plan import Target
@@ -79,7 +80,14 @@ class ResponsesChat(Chat):
         turn = self.turn = RESPONSES.turn(lookup, keep)
         this_turn = weakref.ref(turn)
         exchange.dialect = turn
-        super().prepare(exchange, body)
+        try:
+            super().prepare(exchange, body)
+        except RelayError as exc:
+            # The primary's own refusals and the translation's, in one 400 (SPEC A1a).
+            problems = turn.translation.problems
+            if exc.reason != "unsupported" or not problems:
+                raise
+            raise refusal_of([*problems, exc]) from None
         assert self.plan is not None
         translation = turn.translation
         if speaks_responses(self.plan.targets[0]):
@@ -94,7 +102,7 @@ class ResponsesChat(Chat):
                 self.plan = attrs.evolve(self.plan, targets=kept)
             return
         if translation.problems:
-            raise translation.problems[0]
+            raise refusal_of(translation.problems)
         if translation.ignored:
             exchange.dialect_ignored = tuple(translation.ignored)
             exchange.record.ignored_fields = exchange.all_ignored()
