@@ -30,6 +30,7 @@ from .chat import Chat
 from .endpoints import CountTokens, Embed
 from .exchange import Exchange, Handler
 from .fanout import Fanout
+from .gemini import serve_gemini
 from .guard import Guard
 from .info import serve_info
 from .metrics import Metrics
@@ -82,6 +83,9 @@ class Front:
             return
         if served.kind == "info":
             await serve_info(self.relay, scope, send, served)
+            return
+        if served.kind == "gemini":  # Google's Gemini API (SPEC A9)
+            await serve_gemini(self.relay, scope, receive, send, body, self.guard._record)
             return
         if served.dialect is not None:  # a relay route, in raw ASGI
             if scope["method"] not in served.methods:
