@@ -10,6 +10,9 @@
 ``POST …/{model}:countTokens``                            the provider's own counter
 ========================================================  ================================
 
+The same methods under Google's v1, ``POST /v1/models/{model}:{method}`` (the default
+of its newer SDKs), are served here too; ``GET /v1/models`` stays OpenAI's list.
+
 ``:streamGenerateContent`` without ``?alt=sse`` — where Google streams one JSON array —
 is refused with a 400 that says to add it (every Google SDK and the Gemini CLI send it).
 Chat requests and counts are relay routes like the others: one `Exchange` each (record,
@@ -37,11 +40,12 @@ from .chat import Chat, priority_of
 from .endpoints import CountTokens, _kinds_that, _plan
 from .exchange import Exchange
 from .info import find_model, refresh_models
+from .paths import GEMINI_METHODS
 
 __all__ = ["GeminiChat", "GeminiCount", "serve_gemini"]
 
 _PREFIX = "/v1beta/models"
-_METHODS = ("generateContent", "streamGenerateContent", "countTokens")
+_METHODS = GEMINI_METHODS
 
 
 def _model_entry(ident: str, owner: str) -> dict[str, Any]:
@@ -72,7 +76,7 @@ async def serve_gemini(relay: Engine, scope: Scope, receive: Receive, send: Send
     """Answer one request under ``/v1beta/models`` (see the module docstring);
     ``refused`` records a request refused before its exchange (the guard's)."""
     path, method = scope["path"], scope["method"]
-    name = path.removeprefix(_PREFIX).removeprefix("/")
+    name = path.removeprefix(_PREFIX).removeprefix("/v1/models").removeprefix("/")
     if method == "GET":
         answer = await _get(relay, name)
         if isinstance(answer, RelayError):

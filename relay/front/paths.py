@@ -36,7 +36,8 @@ from relay.vocab.records import Record
 
 from .asgi import RELAY_ROUTES, Scope, Send, send_error
 
-__all__ = ["SERVED", "Served", "dialect_for", "match", "not_served", "served_list"]
+__all__ = ["GEMINI_METHODS", "SERVED", "Served", "dialect_for", "gemini_method", "match",
+           "not_served", "served_list"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +122,18 @@ def dialect_for(path: str) -> Dialect:
         return entry.dialect
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return ANTHROPIC
-    if path == "/v1beta" or path.startswith("/v1beta/"):
+    if path == "/v1beta" or path.startswith("/v1beta/") or gemini_method(path):
         return GEMINI
     return OPENAI
+
+
+GEMINI_METHODS = ("generateContent", "streamGenerateContent", "countTokens")
+
+
+def gemini_method(path: str) -> bool:
+    """Whether ``path`` is a Gemini model's method under ``/v1/models`` (Google's v1,
+    which its newer SDKs use by default): ``/v1/models/{model}:generateContent``."""
+    return path.startswith("/v1/models/") and path.rpartition(":")[2] in GEMINI_METHODS
 
 
 def served_list() -> str:
