@@ -1,4 +1,4 @@
-"""What each front costs: chat completions, Messages and Responses, side by side, against
+"""What each front costs: chat completions, Messages, Responses and Gemini, side by side, against
 the same fake OpenAI-compatible upstream, in one run.
 
     python -m bench.dialects [--requests N] [--seconds S] [--concurrency C] [--json FILE]
@@ -13,9 +13,11 @@ For each front — and for the upstream called directly, the baseline — it mea
    (200 chunks each), with relay's CPU per request.
 
 Every front translates into relay's one internal request and back, so the difference
-between them is the dialect's parse and render; the Responses and Messages fronts'
-bodies are the same question as the chat one (`bench.overhead.FRONTS`, whose section 1
-measures the same latency among its other figures).
+between them is the dialect's parse and render; the Responses, Messages and Gemini
+fronts' bodies are the same question as the chat one (`bench.overhead.FRONTS`, whose
+section 1 measures the same latency among its other figures; the Gemini front's is
+here, ``/v1beta/models/up/fast:generateContent``). ``added_vs_chat_pct``: a front's added
+p50 latency against chat's.
 """
 
 from __future__ import annotations
@@ -44,10 +46,27 @@ from bench.overhead import (
 )
 
 
+def _gemini(model: str, stream: bool) -> tuple[str, dict[str, Any]]:
+    """Google's Gemini API (SPEC A9): the model and the streaming are in the path."""
+    method = "streamGenerateContent?alt=sse" if stream else "generateContent"
+    return (f"/v1beta/models/{model}:{method}",
+            {"contents": [{"role": "user", "parts": [{"text": "hello"}]}]})
+
+
+# The fronts measured: `bench.overhead.FRONTS`, and the Gemini front (its path carries
+# the model), each → the bytes that end a complete stream.
+ENDS: dict[str, bytes] = {**{f: end for f, (_, _, end) in FRONTS.items()},
+                          "gemini": b'"finishReason"'}
+
+
 def raw(hostport: str, front: str, model: str, stream: bool) -> bytes:
-    path, body, _ = FRONTS[front]
+    if front == "gemini":
+        path, body = _gemini(model, stream)
+    else:
+        path, make, _ = FRONTS[front]
+        body = make(model, stream)
     return http_request("POST", hostport, path,
-                        json.dumps(body(model, stream), separators=(",", ":")).encode())
+                        json.dumps(body, separators=(",", ":")).encode())
 
 
 async def latency(host: str, port: int, request: bytes, warmup: int, n: int) -> list[float]:
@@ -120,7 +139,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             port = int(port_text)
             pids = {"relay": relay.pid, "upstream": upstream.pid}
             targets = {"direct": ("127.0.0.1", up_port, "", "chat")}
-            targets.update({f: (host, port, "up/", f) for f in FRONTS})
+            targets.update({f: (host, port, "up/", f) for f in ENDS})
             for name, (h, p, prefix, front) in targets.items():
                 hp = f"{h}:{p}"
                 times = await latency(h, p, raw(hp, front, prefix + "fast", False), 30,
@@ -128,7 +147,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 plain = await load(h, p, raw(hp, front, prefix + "fast", False), None,
                                    args.concurrency, args.seconds, CPUWindow(pids))
                 streamed = await load(h, p, raw(hp, front, prefix + "sse200", True),
-                                      FRONTS[front][2], args.concurrency, args.seconds,
+                                      ENDS[front], args.concurrency, args.seconds,
                                       CPUWindow(pids))
                 results[name] = {"p50_ms": round(pct(times, 0.5), 3),
                                  "p99_ms": round(pct(times, 0.99), 3),
@@ -137,8 +156,13 @@ async def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                       f"{results[name]['p99_ms']:.2f} ms; plain {plain['req_per_s']} req/s;"
                       f" streamed {streamed['req_per_s']} answers/s", file=sys.stderr)
             base = results["direct"]["p50_ms"]
-            for front in FRONTS:
+            for front in ENDS:
                 results[front]["added_p50_ms"] = round(results[front]["p50_ms"] - base, 3)
+            chat = results["chat"]["added_p50_ms"]
+            for front in ENDS:  # each front's added latency against chat's
+                results[front]["added_vs_chat_pct"] = (
+                    round(100 * (results[front]["added_p50_ms"] - chat) / chat, 1)
+                    if chat > 0 else None)
             nursery.cancel_scope.cancel()
     finally:
         for child in children:
