@@ -244,6 +244,17 @@ def test_stream_sends_text_as_it_comes_and_calls_whole_at_the_end() -> None:
     assert GEMINI_SDK.encoder("r1", 0, True).comment("waiting") == b"\r\n"
 
 
+def test_a_thought_signature_from_the_gemini_adapter_goes_back_to_the_client() -> None:
+    answer = Answer(id="r1", created=0, model="gem/g", choices={0: {
+        "index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_ab12__ts_c2-9_w", "type": "function",
+                "function": {"name": "ls", "arguments": "{}"}}]}}}, usage=None)
+    part = GEMINI.render(answer)["candidates"][0]["content"]["parts"][0]
+    assert part == {"functionCall": {"id": "call_ab12__ts_c2-9_w", "name": "ls", "args": {}},
+                    "thoughtSignature": "c2+9/w=="}
+
+
 def test_error_body_is_googles_with_relays_reason_inside() -> None:
     error = RelayError("provider_queue_full", "the queue is full", provider="up",
                        retry_after_s=3.0)

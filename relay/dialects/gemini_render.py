@@ -83,11 +83,21 @@ def _args(arguments: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"_arguments": arguments}
 
 
+# The gemini adapter carries Gemini's thought signature inside a tool call's id, urlsafe
+# and unpadded, after this mark (adapters/gemini_request.py, `tool_call_id`).
+_SIGNATURE = "__ts_"
+
+
 def _call_part(call: dict[str, Any], k: int, request_id: str) -> dict[str, Any]:
     fn = call.get("function") or {}
-    return {"functionCall": {"id": call.get("id") or f"call_{request_id}_{k}",
-                             "name": fn.get("name") or "",
-                             "args": _args(fn.get("arguments"))}}
+    ident = call.get("id") or f"call_{request_id}_{k}"
+    part: dict[str, Any] = {"functionCall": {"id": ident, "name": fn.get("name") or "",
+                                             "args": _args(fn.get("arguments"))}}
+    packed = ident.partition(_SIGNATURE)[2]
+    if packed:  # Gemini 3 wants it back with the call: the client keeps the part whole
+        part["thoughtSignature"] = (packed.replace("-", "+").replace("_", "/")
+                                    + "=" * (-len(packed) % 4))
+    return part
 
 
 def usage_metadata(usage: Usage | None) -> dict[str, int]:
