@@ -10,8 +10,11 @@ the unknown path included).
 
 from __future__ import annotations
 
+import copy
 import functools
+import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -31,6 +34,8 @@ from fake_endpoints import (
 )
 from fake_gemini import KEY as GEMINI_KEY
 from fake_gemini import FakeGemini
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from upstream import FakeUpstream, Script, serve_fake_upstream
 
 from relay.dialects.base import Answer
@@ -532,3 +537,61 @@ async def test_waiting_notice_and_failure_in_band(nursery: trio.Nursery,
         assert events[-1]["error"]["details"][0]["reason"] == "stall_timeout"
     await wait_for(lambda: lane_idle(served))
 
+
+
+# --- any value in any field: a 4xx naming it, or a request -------------------------------------
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=False,
+                                                                        allow_infinity=False)
+    | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                max_size=3),
+    max_leaves=8)
+_PLACES = ["contents", "contents[0]", "contents[0].role", "contents[0].parts",
+           "contents[0].parts[0]", "contents[0].parts[0].text",
+           "contents[0].parts[0].functionCall", "contents[0].parts[0].inlineData",
+           "contents[0].parts[0].functionResponse", "systemInstruction", "tools",
+           "tools[0]", "tools[0].functionDeclarations",
+           "tools[0].functionDeclarations[0]",
+           "tools[0].functionDeclarations[0].parameters",
+           "tools[0].functionDeclarations[0].parametersJsonSchema", "toolConfig",
+           "toolConfig.functionCallingConfig", "toolConfig.functionCallingConfig.mode",
+           "toolConfig.functionCallingConfig.allowedFunctionNames", "generationConfig",
+           *(f"generationConfig.{k}" for k in (
+               "temperature", "topP", "topK", "seed", "maxOutputTokens", "stopSequences",
+               "candidateCount", "responseMimeType", "responseSchema", "responseJsonSchema",
+               "responseLogprobs", "logprobs", "presencePenalty", "frequencyPenalty",
+               "thinkingConfig"))]
+
+
+def _put(body: dict[str, Any], place: str, value: Any) -> dict[str, Any]:
+    """A copy of ``body`` with ``value`` at ``place`` (a dotted path with [0] indexes)."""
+    body = copy.deepcopy(body)
+    keys = [k for part in place.split(".") for k in re.split(r"\[(\d+)\]", part) if k]
+    node: Any = body
+    for key, after in itertools.pairwise(keys):
+        slot: Any = int(key) if key.isdigit() else key
+        if isinstance(node, list):
+            while len(node) <= slot:
+                node.append({})
+        elif not isinstance(node.get(slot), (dict, list)):
+            node[slot] = [] if after.isdigit() else {}
+        node = node[slot]
+    last: Any = int(keys[-1]) if keys[-1].isdigit() else keys[-1]
+    node[last] = value
+    return body
+
+
+@settings(max_examples=400, deadline=None)
+@given(place=st.sampled_from(_PLACES), value=_JSON)
+def test_any_value_anywhere_is_a_request_or_a_named_refusal(place: str, value: Any) -> None:
+    body = _put(req("x", tools=[TOOL], generationConfig={"temperature": 1}), place, value)
+    try:
+        chat = parse(body)
+    except RelayError as error:
+        assert error.status in (400, 404), error
+        assert error.param is None or error.param.split(".")[0].split("[")[0] in (
+            place.split(".")[0].split("[")[0], "alt"), (error.param, place)
+        return
+    json.dumps(chat.messages), json.dumps(chat.params)  # what adapters get: plain JSON
