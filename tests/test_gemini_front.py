@@ -380,6 +380,24 @@ async def test_errors_under_v1beta_are_googles(nursery: trio.Nursery, tmp_path: 
     await wait_for(lambda: lane_idle(served))
 
 
+async def test_a_browser_page_may_send_googles_headers(nursery: trio.Nursery,
+                                                       tmp_path: Path) -> None:
+    config = FAKE_ONLY.replace("[server]", '[server]\ncors_origins = ["http://app.local"]')
+    served = await start_relay(nursery, config, tmp_path)
+    app = {"origin": "http://app.local"}
+    async with http_client() as c:
+        r = await c.options(served.url + GEN.format("fake/echo"), headers={
+            **app, "access-control-request-method": "POST",
+            "access-control-request-headers": "content-type, x-goog-api-key"})
+        assert r.status_code == 204, r.text
+        allowed = {h.strip() for h in r.headers["access-control-allow-headers"].split(",")}
+        assert {"content-type", "x-goog-api-key", "x-goog-api-client"} <= allowed
+        r = await c.post(served.url + GEN.format("fake/echo"), json=req("from a page"),
+                         headers={**app, "x-goog-api-key": "unused"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == (
+            "http://app.local")
+
+
 def _up_config(up: FakeUpstream, ant: FakeAnthropic, gem: FakeGemini) -> str:
     return FAKE_ONLY + f"""
 [providers.up]

@@ -141,7 +141,8 @@ class Guard:
             await send_closing({"type": "http.response.start", "status": 204, "headers": [
                 (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
                 (b"access-control-allow-headers",
-                 b"authorization, content-type, x-relay-priority, x-relay-progress"),
+                 b"authorization, content-type, x-relay-priority, x-relay-progress, "
+                 b"x-goog-api-key, x-goog-api-client"),
                 (b"access-control-max-age", b"600")]})
             await send_with_id({"type": "http.response.body", "body": b""})
             return
