@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
+import httpx
 import pytest
 import trio
 from cloud_helpers import one_record, posts
@@ -24,7 +26,11 @@ from upstream import FakeUpstream, Script, serve_fake_upstream
 
 
 def _config(up: FakeUpstream, gem: EmbeddingGemini) -> str:
-    return FAKE_ONLY + f"""
+    return FAKE_ONLY + f"""[providers.fake.profile]
+lanes = 1
+queue_max = 4
+queue_timeout_s = 10
+run_timeout_s = 20
 [providers.up]
 adapter = "openai"
 base_url = "{up.url}"
@@ -79,6 +85,19 @@ async def test_generate_stream_and_count(
 
     pieces = await trio.to_thread.run_sync(stream)
     assert "".join(pieces) == "one two three four" and len(pieces) > 2
+
+    # Queued behind another request, the stream's waiting notices (empty lines for
+    # Google's SDKs, which cannot skip an SSE comment) do not disturb it.
+    async with httpx.AsyncClient(trust_env=False) as other, trio.open_nursery() as busy:
+        busy.start_soon(functools.partial(other.post, json={"contents": [{"parts": [
+            {"text": "busy"}]}]}), served.url + "/v1beta/models/"
+            + quote("fake/echo?delay_s=2.5") + ":generateContent")
+        await wait_for(lambda: served.relay.providers["fake"].lane.statistics().running == 1)
+        pieces = await trio.to_thread.run_sync(stream)
+        assert "".join(pieces) == "one two three four"
+        queued = await one_record(tmp_path, 4)  # (the busy request's ended before it)
+        assert queued["endpoint"].endswith(":streamGenerateContent")
+        assert queued["queue_ms"] > 2000  # it waited through at least one notice
 
     counted = await _in_thread(client.models.count_tokens, model="gem/g",
                                contents="count these four words")
