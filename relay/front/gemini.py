@@ -22,6 +22,7 @@ Google's shape (`relay.dialects.gemini_render.google_error`).
 
 from __future__ import annotations
 
+import logging
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +44,8 @@ from .info import find_model, refresh_models
 from .paths import GEMINI_METHODS
 
 __all__ = ["GeminiChat", "GeminiCount", "serve_gemini"]
+
+logger = logging.getLogger(__name__)
 
 _PREFIX = "/v1beta/models"
 _METHODS = GEMINI_METHODS
@@ -78,7 +81,12 @@ async def serve_gemini(relay: Engine, scope: Scope, receive: Receive, send: Send
     path, method = scope["path"], scope["method"]
     name = path.removeprefix(_PREFIX).removeprefix("/v1/models").removeprefix("/")
     if method == "GET":
-        answer = await _get(relay, name)
+        try:
+            answer = await _get(relay, name)
+        except Exception as exc:  # a bug: still a Google-shaped error, never a bare 500
+            logger.error("%s crashed", path, exc_info=exc)
+            answer = RelayError("internal_error", f"relay failed unexpectedly "
+                                f"({type(exc).__name__}); see its log")
         if isinstance(answer, RelayError):
             await send_error(send, answer, GEMINI)
         else:
