@@ -53,7 +53,13 @@ from relay.vocab.profile import Profile
 from ._whole import count_of, post_json, unreadable, vector_of
 from .base import upstream_failure
 from .cloud import CloudAdapter
-from .gemini_request import GENERATION, gemini_request, split_tool_call_id, tool_call_id
+from .gemini_request import (
+    GENERATION,
+    gemini_request,
+    native_request,
+    split_tool_call_id,
+    tool_call_id,
+)
 
 __all__ = ["BROKEN", "FINISH_REASONS", "GENERATION", "REFUSALS", "CandidateReader",
            "GeminiAdapter", "GeminiSettings", "gemini_request", "split_tool_call_id",
@@ -199,6 +205,7 @@ class GeminiAdapter(CloudAdapter):
     # SPEC A1a: generation settings, limits, stops, JSON modes and tools are translated;
     # Gemini calls tools in parallel anyway (parallel_tool_calls: true asks nothing).
     fields = column(
+        speaks="gemini",  # a Gemini request (SPEC A9) passes, unchanged
         translated=(*SAMPLING, "n", *LIMITS, "stop", "response_format", "tools",
                     "tool_choice", "stream_options"),
         advisory=(*EFFORT, *ACCOUNTING),
@@ -224,7 +231,8 @@ class GeminiAdapter(CloudAdapter):
         return 15.0
 
     def check_request(self, call: Call) -> None:
-        gemini_request(call)
+        if native_request(call) is None:
+            gemini_request(call)
 
     @staticmethod
     def _path(model: str) -> str:
@@ -275,7 +283,7 @@ class GeminiAdapter(CloudAdapter):
 
     async def count_tokens(self, call: Call) -> int:
         self.refuse_without_key()
-        request = gemini_request(call)
+        request = native_request(call) or gemini_request(call)
         request.pop("generationConfig", None)  # how to answer: it adds no input tokens
         body = {"generateContentRequest": {"model": self._path(call.model), **request}}
         answer = await post_json(self, self._url(call.model, "countTokens"), body,
@@ -310,7 +318,7 @@ class GeminiAdapter(CloudAdapter):
     async def run(self, call: Call, events: EventSink) -> None:
         self.refuse_without_key()
         events = self.bounded(events)
-        body = gemini_request(call)
+        body = native_request(call) or gemini_request(call)
         reader = CandidateReader(self.name)
         url = self._url(call.model, "streamGenerateContent?alt=sse" if call.stream
                         else "generateContent")

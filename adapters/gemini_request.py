@@ -224,3 +224,20 @@ def gemini_request(call: Call) -> dict[str, Any]:
     return body
 
 
+def native_request(call: Call) -> dict[str, Any] | None:
+    """The client's own Gemini request for ``call`` (SPEC A1a *passed*, A9), or None when
+    the client spoke another dialect: every field as sent — thought parts and their
+    signatures, ``thinkingConfig``, ``safetySettings``, fields relay does not know. A
+    continuation relay adds (SPEC F8: messages after the body's own) is appended as
+    ``model`` text."""
+    inbound = call.inbound
+    if inbound.dialect != "gemini" or inbound.body is None:
+        return None
+    body = dict(inbound.body)
+    contents = list(body.get("contents") or ())
+    for i, message in enumerate(call.messages[inbound.turns:], start=len(contents)):
+        parts = _parts(message.get("content"), f"messages[{i}]", media=False)
+        if parts:
+            _add(contents, "model", parts)
+    body["contents"] = contents
+    return body

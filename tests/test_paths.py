@@ -160,8 +160,9 @@ def test_one_table_routes_both_the_raw_routes_and_quart() -> None:
     from relay.front.info import _ANSWERS
     assert set(_ANSWERS) == {e.rule for e in SERVED if e.kind == "info"}
     kinds = {e.kind for e in SERVED if e.relay_route}
-    # Every relay route has its handler (stored responses are answered by serve_stored).
-    assert kinds == {*front_app._HANDLERS, "stored"}
+    # Every relay route has its handler (stored responses are answered by serve_stored,
+    # Google's Gemini API by serve_gemini).
+    assert kinds == {*front_app._HANDLERS, "stored", "gemini"}
     assert match("/v1/models/a/b/c") is not None and match("/v1/models/") is None
     assert match("/relay/v1/providers/x/check") is not None
     assert match("/relay/v1/providers/x/y/check") is None

@@ -180,6 +180,24 @@ OWN_FIELDS: dict[str, dict[str, FieldInfo]] = {
         "container": FieldInfo("a code-execution container", None, REFUSED),
         "mcp_servers": FieldInfo("MCP servers Anthropic connects to", None, REFUSED),
     },
+    "gemini": {  # SPEC A9 (relay.dialects.gemini_generate)
+        "generationConfig.thinkingConfig": FieldInfo("how much the model thinks", None,
+                                                     ADVISORY),
+        "generationConfig.responseModalities": FieldInfo(
+            "output kinds", lambda value, params: value in (["TEXT"], ["text"]), REFUSED),
+        "generationConfig.mediaResolution": FieldInfo("how finely media are read", None,
+                                                      ADVISORY),
+        "contents.thought": FieldInfo("thought parts passed back", None, ADVISORY),
+        "contents.thoughtSignature": FieldInfo("thought signatures passed back", None,
+                                               ADVISORY),
+        "safetySettings": FieldInfo("Gemini's safety filter thresholds", None, ADVISORY),
+        "labels": FieldInfo("billing labels", None, ADVISORY),
+        "serviceTier": FieldInfo("Gemini's processing tier", None, ADVISORY),
+        "cachedContent": FieldInfo("a context cache stored at Google", None, REFUSED),
+        "tools.googleSearch": FieldInfo("Google Search grounding", None, REFUSED),
+        "tools.codeExecution": FieldInfo("code run by Google", None, REFUSED),
+        "tools.urlContext": FieldInfo("pages fetched by Google", None, REFUSED),
+    },
 }
 
 # What relay reads itself, per dialect: never a provider's business.

@@ -30,10 +30,11 @@ from .chat import Chat
 from .endpoints import CountTokens, Embed
 from .exchange import Exchange, Handler
 from .fanout import Fanout
+from .gemini import serve_gemini
 from .guard import Guard
 from .info import serve_info
 from .metrics import Metrics
-from .paths import match, not_served
+from .paths import gemini_method, match, not_served
 from .responses import ResponsesChat, serve_stored
 
 __all__ = ["Front"]
@@ -80,8 +81,12 @@ class Front:
         if served.kind == "stored":  # stored responses (SPEC A7)
             await serve_stored(self.relay, scope, send)
             return
-        if served.kind == "info":
+        if served.kind == "info" and not gemini_method(scope["path"]):
             await serve_info(self.relay, scope, send, served)
+            return
+        # Google's Gemini API (SPEC A9); Google's newer SDKs use /v1/models/{model}:{method}
+        if served.kind in ("gemini", "info"):
+            await serve_gemini(self.relay, scope, receive, send, body, self.guard._record)
             return
         if served.dialect is not None:  # a relay route, in raw ASGI
             if scope["method"] not in served.methods:

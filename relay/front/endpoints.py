@@ -170,7 +170,11 @@ class CountTokens:
             exchange.fail(failed)
             await exchange.send_error(failed)
             return
-        await exchange.send_json(200, {"input_tokens": tokens})
+        await exchange.send_json(200, self.answer(tokens))
+
+    def answer(self, tokens: int) -> dict[str, Any]:
+        """The count in the route's dialect (Anthropic's here)."""
+        return {"input_tokens": tokens}
 
     def settle(self, exchange: Exchange, stop: RequestStop) -> bool:
         return _settle(exchange, stop)

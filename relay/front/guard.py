@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import secrets
+import urllib.parse
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -140,7 +141,8 @@ class Guard:
             await send_closing({"type": "http.response.start", "status": 204, "headers": [
                 (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
                 (b"access-control-allow-headers",
-                 b"authorization, content-type, x-relay-priority, x-relay-progress"),
+                 b"authorization, content-type, x-relay-priority, x-relay-progress, "
+                 b"x-goog-api-key, x-goog-api-client"),
                 (b"access-control-max-age", b"600")]})
             await send_with_id({"type": "http.response.body", "body": b""})
             return
@@ -173,13 +175,18 @@ class Guard:
                 "method"] != "OPTIONS":
             scheme, _, value = (header(scope, b"authorization") or "").partition(" ")
             if scheme.lower() != "bearer":
-                # Anthropic's clients send their key as x-api-key.
+                # Anthropic's clients send their key as x-api-key; Google's (under /v1beta,
+                # SPEC A9) as x-goog-api-key or ?key=.
                 value = header(scope, b"x-api-key") or ""
+                if not value and scope["path"].startswith("/v1beta/"):
+                    value = header(scope, b"x-goog-api-key") or _query_key(scope)
             if not value or not hmac.compare_digest(value.strip().encode(),
                                                     self.token.encode()):
                 return RelayError("unauthorized", "this relay requires a token: send "
                                   "'Authorization: Bearer <token>' or 'x-api-key: <token>' "
-                                  "(the value of the variable named by [server] token_env)")
+                                  "('x-goog-api-key: <token>' or '?key=<token>' under "
+                                  "/v1beta) (the value of the variable named by [server] "
+                                  "token_env)")
         if scope["method"] in ("POST", "PUT", "PATCH"):
             length = header(scope, b"content-length")
             ctype = (header(scope, b"content-type") or "").split(";")[0].strip().lower()
@@ -235,6 +242,13 @@ class Guard:
         self._record(scope, error)
         await send_error(send, error, dialect)
         return None
+
+
+def _query_key(scope: Scope) -> str:
+    """The ``key`` of the query string (Google's clients may put their key there)."""
+    query = scope.get("query_string") or b""
+    values: list[str] = urllib.parse.parse_qs(query.decode("latin-1")).get("key", [])
+    return values[0] if values else ""
 
 
 def _has_body(scope: Scope) -> bool:

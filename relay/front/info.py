@@ -22,7 +22,7 @@ from relay.vocab.errors import RelayError
 from .asgi import Message, Scope, Send, send_error, send_json
 from .paths import Served
 
-__all__ = ["serve_info"]
+__all__ = ["find_model", "refresh_models", "serve_info"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,10 @@ async def _status(relay: Engine) -> dict[str, Any]:
     return {"providers": {name: p.status(relay.clock) for name, p in relay.providers.items()},
             "draining": relay.draining, "records": relay.records.status()}
 
+
+# The model list and lookup, for the other dialects' model routes (Gemini's, SPEC A9).
+refresh_models = _refresh_models
+find_model = _model
 
 _ANSWERS: dict[str, Callable[..., Awaitable[dict[str, Any] | RelayError]]] = {
     "/healthz": _healthz, "/v1/models": _models, "/v1/models/<path:model>": _model,

@@ -11,9 +11,10 @@ routes, `relay.front.routes`). A request's path is matched once its percent-esca
 decoded (the ASGI ``path``), so ``/v1/models/fake%2Fecho`` is ``/v1/models/fake/echo``.
 
 A path no entry holds is answered here: 404 with the list, in Anthropic's shape under
-``/v1/messages`` and OpenAI's elsewhere, logged in one INFO line and recorded with the
-path as the record's ``endpoint`` — a client with the wrong base URL (``/chat/completions``,
-``/v1/v1/…``) or the wrong API (``/v1/completions``) learns what to use instead.
+``/v1/messages``, Google's under ``/v1beta`` and OpenAI's elsewhere, logged in one INFO
+line and recorded with the path as the record's ``endpoint`` — a client with the wrong
+base URL (``/chat/completions``, ``/v1/v1/…``) or the wrong API (``/v1/completions``)
+learns what to use instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import trio
 
 from relay.dialects.anthropic_messages import ANTHROPIC
 from relay.dialects.base import Dialect
+from relay.dialects.gemini_generate import GEMINI
 from relay.dialects.openai_chat import OPENAI
 from relay.engine.engine import Engine
 from relay.vocab.errors import RelayError
@@ -34,7 +36,8 @@ from relay.vocab.records import Record
 
 from .asgi import RELAY_ROUTES, Scope, Send, send_error
 
-__all__ = ["SERVED", "Served", "dialect_for", "match", "not_served", "served_list"]
+__all__ = ["GEMINI_METHODS", "SERVED", "Served", "dialect_for", "gemini_method", "match",
+           "not_served", "served_list"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +48,8 @@ _PARAM = re.compile(r"<(?:(\w+):)?(\w+)>")
 class Served:
     rule: str                  # werkzeug's syntax: "/v1/models/<path:model>"
     methods: tuple[str, ...]
-    kind: str  # chat | responses | stored | embeddings | count_tokens | fanout | info | quart
+    # chat | responses | stored | embeddings | count_tokens | fanout | gemini | info | quart
+    kind: str
     dialect: Dialect | None = None  # a relay route's: its bodies and its errors
     pattern: re.Pattern[str] = attrs.field(init=False, eq=False, repr=False)
 
@@ -77,6 +81,10 @@ SERVED: tuple[Served, ...] = (
     Served("/v1/responses/<path:response>", ("GET", "DELETE"), "stored", OPENAI),
     Served("/v1/messages/count_tokens", ("POST",), "count_tokens", ANTHROPIC),
     Served("/v1/embeddings", ("POST",), "embeddings", OPENAI),
+    # Google's Gemini API (SPEC A9): the model list, a model, and its methods
+    # (``{model}:generateContent``, …): `relay.front.gemini`.
+    Served("/v1beta/models", ("GET",), "gemini", GEMINI),
+    Served("/v1beta/models/<path:model>", ("GET", "POST"), "gemini", GEMINI),
     Served("/v1/models", ("GET",), "info"),
     Served("/v1/models/<path:model>", ("GET",), "info"),
     Served("/relay/v1/fanout", ("POST",), "fanout", OPENAI),
@@ -107,13 +115,25 @@ def match(path: str) -> Served | None:
 
 def dialect_for(path: str) -> Dialect:
     """The dialect of every answer on ``path``, errors included: a relay route's own;
-    Anthropic's anywhere under ``/v1/messages``; OpenAI's elsewhere."""
+    Anthropic's anywhere under ``/v1/messages``; Google's anywhere under ``/v1beta``;
+    OpenAI's elsewhere."""
     entry = match(path)
     if entry is not None and entry.dialect is not None:
         return entry.dialect
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return ANTHROPIC
+    if path == "/v1beta" or path.startswith("/v1beta/") or gemini_method(path):
+        return GEMINI
     return OPENAI
+
+
+GEMINI_METHODS = ("generateContent", "streamGenerateContent", "countTokens")
+
+
+def gemini_method(path: str) -> bool:
+    """Whether ``path`` is a Gemini model's method under ``/v1/models`` (Google's v1,
+    which its newer SDKs use by default): ``/v1/models/{model}:generateContent``."""
+    return path.startswith("/v1/models/") and path.rpartition(":")[2] in GEMINI_METHODS
 
 
 def served_list() -> str:

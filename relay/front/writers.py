@@ -111,7 +111,15 @@ class _Writer:
             return b""
         self.request.ignored_fields = event.ignored
         names = ", ".join(event.ignored) or "none"
-        return f": relay: {event.model} ignores the request fields: {names}\n\n".encode()
+        return self._comment(f"relay: {event.model} ignores the request fields: {names}")
+
+    def _comment(self, text: str) -> bytes:
+        """An SSE comment, or what the dialect's stream writes instead (`StreamEncoder`
+        may have a ``comment``: the Gemini dialect's, for clients whose parser cannot
+        skip a comment line)."""
+        encoder = getattr(self, "encoder", None)
+        write = getattr(encoder, "comment", None)
+        return write(text) if write is not None else f": {text}\n\n".encode()
 
 
 def _chars(delta: Delta) -> int:
@@ -183,6 +191,7 @@ class StreamWriter(_Writer):
         self.encoder = self.dialect.encoder(self.record.id, self.created,
                                             request.include_usage)
         self.encoder.begin(model)
+        self._keepalive = self._comment("keepalive")
         self.usage_seen = False
         self.answer_chars = 0  # of this attempt's answer, for a usage estimate
 
@@ -199,8 +208,9 @@ class StreamWriter(_Writer):
             return b"event: relay.waiting\ndata: " + dumps({
                 "running": stats.running, "capacity": stats.capacity,
                 "queued": stats.queued, "elapsed_s": round(elapsed, 1)}) + b"\n\n"
-        return (f": waiting, starts when earlier requests finish (running {stats.running}/"
-                f"{stats.capacity}, queued {stats.queued}, {elapsed:.0f} s)\n\n").encode()
+        return self._comment(f"waiting, starts when earlier requests finish (running "
+                             f"{stats.running}/{stats.capacity}, queued {stats.queued}, "
+                             f"{elapsed:.0f} s)")
 
     async def pump(self, events: trio.MemoryReceiveChannel[Any]) -> None:
         # long because it is the stream's one loop: every event kind, heartbeats, notices and
@@ -225,7 +235,7 @@ class StreamWriter(_Writer):
                     next_notice = now + WAITING_NOTICE_S
                     await self._write(self._waiting_notice())
                 elif now >= next_beat:
-                    await self._write(b": keepalive\n\n")
+                    await self._write(self._keepalive)
                 continue
             batch = [first]
             while len(batch) < COALESCE_MAX:

@@ -1,0 +1,200 @@
+"""The Gemini dialect: what clients of Google's Gemini API send to
+``/v1beta/models/{model}:generateContent`` (and ``:streamGenerateContent``,
+``:countTokens``) and what they get back (SPEC A9), for any provider behind relay.
+
+A request is checked in one place, `structure` — every field the dialect reads, its type
+and range, a 400 naming the field's path (``generationConfig.topK``,
+``contents[2].parts[0].functionCall.args``) in Google's shape — then translated into
+relay's own `ChatInput` (OpenAI's message shapes), so the same queue, lanes, fallbacks
+and adapters serve it. The model and whether it streams come from the path, not the
+body. Translation tables:
+
+=======================================  ==================================================
+Gemini request                           relay (OpenAI shapes)
+=======================================  ==================================================
+``systemInstruction`` (text parts)       a ``system`` message (parts joined by newlines)
+``contents[]`` role ``user`` / ``model``  ``user`` / ``assistant`` messages
+``text`` / ``inlineData`` / ``fileData``  text / ``image_url`` (data: URL, or the file's URI)
+                                         for images, ``file`` parts for the rest
+``functionCall`` (model)                 ``tool_calls`` (JSON ``arguments``; its ``id``, or
+                                         one relay makes)
+``functionResponse`` (user)              a ``tool`` message answering the call of the same
+                                         ``id``, else the earliest unanswered one of that name
+``tools[].functionDeclarations``         function tools (``parametersJsonSchema`` as is;
+                                         ``parameters``, Google's OpenAPI subset, as JSON
+                                         Schema: lower-case types, ``nullable``)
+``toolConfig.functionCallingConfig``     ``tool_choice``: AUTO→auto, ANY→required (one
+                                         allowed name: that function), NONE→none;
+                                         ``allowedFunctionNames`` keeps only those tools
+``generationConfig``: ``temperature``, ``topP``, ``topK``, ``maxOutputTokens``,
+``stopSequences``, ``seed``, ``presencePenalty``, ``frequencyPenalty`` → the chat-level
+params (named back to the client by their Gemini names); ``responseMimeType``
+``application/json`` (with ``responseSchema`` / ``responseJsonSchema``) →
+``response_format``, checked by each provider's column as chat's is; ``responseLogprobs``
+→ ``logprobs``; ``candidateCount`` above 1 is refused (one answer per request).
+=======================================  ==================================================
+
+Everything else is the dialect's own (SPEC A1a; `relay.api.fields.OWN_FIELDS`):
+``generationConfig.thinkingConfig``, ``safetySettings``, thought parts and signatures
+passed back, ``cachedContent``, Google's built-in tools (``googleSearch``, …), fields
+relay does not know — they go in the call's `relay.vocab.events.Inbound` with the request
+itself, so the ``gemini`` adapter gets the request unchanged (native) and every other
+provider has them dropped and reported, or refused, by its column.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from relay.dialects.base import ChatInput
+from relay.dialects.openai_chat import load_json
+from relay.vocab.errors import RelayError
+from relay.vocab.events import Inbound
+
+from .gemini_render import GeminiRender
+from .gemini_structure import GENERATION, MODES, GeminiRequest, openapi_schema, structure
+
+__all__ = ["GEMINI", "GEMINI_SDK", "GeminiDialect", "parse_gemini_body"]
+
+# --- translation: GeminiRequest → relay ----------------------------------------------------
+
+def _media(mime: str, url: str) -> dict[str, Any]:
+    if mime.startswith("image/"):
+        return {"type": "image_url", "image_url": {"url": url}}
+    return {"type": "file", "file": {"file_data": url, "filename": "file"}}
+
+
+def _messages(request: GeminiRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if request.system is not None:
+        messages.append({"role": "system", "content": request.system})
+    unanswered: list[tuple[str, str]] = []  # (id, name) of the calls not yet answered
+    for i, content in enumerate(request.contents):
+        texts: list[dict[str, Any]] = []
+        calls: list[dict[str, Any]] = []
+        for j, part in enumerate(content.parts):
+            if part.text is not None and not part.thought:
+                texts.append({"type": "text", "text": part.text})
+            elif part.inline is not None:
+                texts.append(_media(part.inline[0],
+                                    f"data:{part.inline[0]};base64,{part.inline[1]}"))
+            elif part.file is not None:
+                texts.append(_media(*part.file))
+            elif part.call is not None:
+                ident, name, args = part.call
+                ident = ident or f"call_{i}_{j}"
+                unanswered.append((ident, name))
+                calls.append({"id": ident, "type": "function", "function": {
+                    "name": name, "arguments": json.dumps(args)}})
+            elif part.response is not None:
+                ident, name, response = part.response
+                found = next((k for k, (c, n) in enumerate(unanswered)
+                              if (c == ident if ident else n == name)), None)
+                if found is None:
+                    found = next((k for k, (_, n) in enumerate(unanswered) if n == name),
+                                 None)
+                if found is None:
+                    raise RelayError("invalid_request", f"'contents[{i}].parts[{j}]."
+                                     f"functionResponse' answers no earlier functionCall "
+                                     f"named {name!r}", param=f"contents[{i}].parts[{j}]")
+                call_id, _ = unanswered.pop(found)
+                messages.append({"role": "tool", "tool_call_id": call_id,
+                                 "content": json.dumps(response)})
+        if content.role == "model":
+            if texts or calls:
+                text = "".join(p["text"] for p in texts if p["type"] == "text")
+                message: dict[str, Any] = {"role": "assistant", "content": text or None}
+                if calls:
+                    message["tool_calls"] = calls
+                messages.append(message)
+        elif texts:
+            single = len(texts) == 1 and texts[0]["type"] == "text"
+            messages.append({"role": "user",
+                             "content": texts[0]["text"] if single else texts})
+    return messages
+
+
+def _params(request: GeminiRequest) -> tuple[dict[str, Any], dict[str, str]]:
+    params: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    config = request.config
+    for key, (ours, _) in GENERATION.items():
+        if config.get(key) is not None:
+            params[ours], names[ours] = config[key], f"generationConfig.{key}"
+    if config.get("maxOutputTokens") is not None:
+        params["max_tokens"] = config["maxOutputTokens"]
+        names["max_tokens"] = "generationConfig.maxOutputTokens"
+    if config.get("stopSequences"):
+        params["stop"], names["stop"] = config["stopSequences"], "generationConfig.stopSequences"
+    if config.get("responseLogprobs"):
+        params["logprobs"], names["logprobs"] = True, "generationConfig.responseLogprobs"
+    if config.get("responseMimeType") == "application/json":
+        schema = config.get("responseJsonSchema")
+        if schema is None and config.get("responseSchema") is not None:
+            schema = openapi_schema(config["responseSchema"], "generationConfig.responseSchema")
+        params["response_format"] = ({"type": "json_schema", "json_schema": {
+            "name": "output", "schema": schema}} if schema is not None
+            else {"type": "json_object"})
+        names["response_format"] = "generationConfig.responseMimeType"
+    declarations = request.declarations
+    if request.allowed is not None and request.mode != "NONE":
+        declarations = tuple(d for d in declarations if d.name in request.allowed)
+    if declarations:
+        tools = []
+        for decl in declarations:
+            fn: dict[str, Any] = {"name": decl.name}
+            if decl.description is not None:
+                fn["description"] = decl.description
+            fn["parameters"] = decl.parameters or {"type": "object", "properties": {}}
+            tools.append({"type": "function", "function": fn})
+        params["tools"] = tools
+    elif request.declarations:
+        params["tools"] = []  # every tool excluded by allowedFunctionNames
+    if request.mode is not None:
+        choice: Any = MODES[request.mode]
+        if choice == "required" and len(declarations) == 1 and request.allowed is not None:
+            choice = {"type": "function", "function": {"name": declarations[0].name}}
+        params["tool_choice"], names["tool_choice"] = choice, "toolConfig"
+    return params, names
+
+
+def parse_gemini_body(body: bytes, model: str, *, stream: bool) -> ChatInput:
+    """A Gemini request for ``model`` (from the path) → relay's `ChatInput`: the chat-level
+    translation, and the request itself with its own fields in ``inbound``.
+
+    Raises:
+        RelayError: ``invalid_request`` naming the field's path; ``unsupported`` for
+            parts relay cannot translate.
+    """
+    data = load_json(body)
+    request = structure(data)
+    messages = _messages(request)
+    params, names = _params(request)
+    inbound = Inbound(dialect="gemini", own=request.own, names=names,
+                      body={k: v for k, v in data.items()
+                            if k not in ("fallbacks", "model")},
+                      turns=len(messages))
+    return ChatInput(model=model, messages=messages, stream=stream, params=params,
+                     fallbacks=request.fallbacks, include_usage=True, inbound=inbound)
+
+
+class GeminiDialect(GeminiRender):
+    """Requests and answers in Google's Gemini API shapes. The model and the streaming
+    come from the path: the front calls `parse_gemini_body`; ``parse`` reads them from
+    the body (``model``, ``stream``), for callers that have no path."""
+
+    name = "gemini"
+
+    def parse(self, body: bytes) -> ChatInput:
+        data = load_json(body)
+        model = data.get("model") if isinstance(data, dict) else None
+        if not isinstance(model, str) or not model:
+            raise RelayError("invalid_request", "'model' is required", param="model")
+        stream = isinstance(data, dict) and data.get("stream") is True
+        return parse_gemini_body(body, model.removeprefix("models/"), stream=stream)
+
+
+GEMINI = GeminiDialect()
+# For Google's own SDKs, which cannot skip an SSE comment (`GeminiRender`).
+GEMINI_SDK = GeminiDialect(comments=False)
