@@ -15,11 +15,14 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 import trio.testing
-from conftest import ASGIResult, asgi_request, config_from, sse_events
+from conftest import ASGIResult, asgi_request, config_from, sse_events, start_relay
 from fake_metered import Limits, Metered, count_tokens, prompt_tokens, serve_metered
+from test_cli import run_relay, write
+from webdriver import open_browser
 
 from relay import Relay, open_relay
 from relay.engine.budget import estimate_input
@@ -345,3 +348,72 @@ async def test_a_stopped_request_settles_to_what_was_sent_and_read(
         budget = lane_of(r).budget.status(lambda t: None)
         assert budget["reserved_output"] == 0
         assert budget["used_last_minute"] == rec["tokens_used"]
+
+
+# --- visibility: status, metrics, page -----------------------------------------------------
+
+async def test_status_metrics_and_page_show_each_budget_its_source_and_the_hold(
+        nursery: trio.Nursery, fake: Metered, tmp_path: Path) -> None:
+    # Real time: a real browser reads the page.
+    served = await start_relay(nursery, config(fake.base_url, "itpm = 2000"), tmp_path)
+    async with httpx.AsyncClient(trust_env=False, timeout=30.0) as client:
+        for i in range(3):
+            r = await client.post(f"{served.url}/v1/chat/completions",
+                                  json=ask(prose(200, i), model="p/m-out10"))
+            assert r.status_code == 200, r.text
+        lane_of(served.relay).budget.hold(trio.current_time() + 120, "retry-after: 120")
+        status = (await client.get(f"{served.url}/relay/v1/status")).json()
+        budgets = status["providers"]["p"]["budgets"]
+        assert budgets["budgets"]["input"]["limit_per_minute"] == 2000
+        assert budgets["budgets"]["input"]["source"] == "configured"
+        assert budgets["budgets"]["input"]["header"] == 3000  # what the provider said
+        assert budgets["budgets"]["input"]["header_at"] is not None
+        assert budgets["budgets"]["output"]["source"] == "header"
+        assert budgets["used_last_minute"] == sum(fake.prompts) + 3 * 10
+        assert budgets["per_minute"][-1] == budgets["used_last_minute"]
+        assert budgets["hold"]["cause"] == "retry-after: 120"
+        assert 100 < budgets["hold"]["left_s"] <= 120
+        metrics = (await client.get(f"{served.url}/metrics")).text
+        assert ('relay_token_budget_limit{budget="input",provider="p",source="configured"} '
+                '2000.0') in metrics
+        assert f'relay_tokens_used_total{{provider="p"}} {sum(fake.prompts) + 30}.0' in metrics
+        assert 'relay_provider_hold_seconds{provider="p"} 1' in metrics
+        async with open_browser(tmp_path) as browser:
+            await browser.get(served.url + "/")
+            bars = await browser.wait_for(
+                "const c = document.querySelector('[data-provider=\"p\"] "
+                "[data-field=\"tokens-chart\"]'); return c && [...c.querySelectorAll('.bar')]"
+                ".filter(b => b.style.height !== '0%').length;")
+            assert bars >= 1
+            assert await browser.execute(
+                "return document.querySelectorAll('[data-provider=\"p\"] .chart .limit')"
+                ".length;") == 1
+            held = await browser.wait_for(
+                "const e = document.querySelector('[data-provider=\"p\"] "
+                "[data-field=\"hold\"]'); return e && e.textContent;")
+            assert "retry-after: 120" in held
+            text = await browser.execute(
+                "return document.querySelector('[data-provider=\"p\"] "
+                "[data-field=\"tokens\"]').textContent;")
+            assert "input 2,000/min (configured)" in text
+    nursery.cancel_scope.cancel()
+
+
+async def test_config_check_prints_each_budget_and_where_it_comes_from(tmp_path: Path) -> None:
+    write(tmp_path, "profiles.toml", """
+        [providers.cloud]
+        adapter = "openai"
+        preset = "openai"
+        [providers.cloud.profile]
+        itpm = 40000
+        otpm = 16000
+    """)
+    done = await run_relay(tmp_path, "config", "check")
+    assert done.returncode == 0, done.stderr.decode()
+    line = next(line for line in done.stdout.decode().splitlines()
+                if line.startswith("    token budgets:"))
+    assert "rpm 500 requests/min (from adapter 'openai''s own profile)" in line
+    assert "itpm 40000 input tokens/min (from [providers.cloud.profile] itpm)" in line
+    assert "otpm 16000 output tokens/min (from [providers.cloud.profile] otpm)" in line
+    assert "tpm not set (learned from the provider's rate-limit headers" in line
+    assert "the lower limit wins" in line
