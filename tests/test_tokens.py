@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import random
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import pytest
 import trio
 import trio.testing
 from conftest import ASGIResult, asgi_request, config_from, sse_events, start_relay
-from fake_metered import Limits, Metered, count_tokens, prompt_tokens, serve_metered
+from fake_metered import Limits, Metered, prompt_tokens, prose, serve_metered
 from test_cli import run_relay, write
 from webdriver import open_browser
 
@@ -29,39 +28,17 @@ from relay.engine.budget import estimate_input
 from relay.engine.lanes import Lane
 from relay.vocab.events import Call
 
-WORDS = (
-    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be",
-    "by", "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but",
-    "have", "an", "they", "you", "were", "her", "she", "there", "been", "one", "all", "we",
-    "their", "has", "would", "when", "if", "more", "no", "out", "so", "said", "what", "up",
-    "its", "about", "into", "than", "them", "can", "only", "other", "new", "some", "could",
-    "time", "these", "two", "may", "then", "do", "first", "any", "my", "now", "such",
-    "like", "our", "over", "man", "me", "even", "most", "made", "after", "also", "did",
-    "many", "before", "must", "through", "back", "years", "where", "much", "your", "way",
-    "well", "down", "should", "because", "each", "just", "those", "people", "request",
-    "provider", "minute", "budget", "stream", "answer", "tokens", "relay", "waiting",
-    "limited", "conversation", "summarise", "repository", "function", "parameters",
-    "configuration",
-)
-
-
-def prose(tokens: int, seed: int = 0) -> str:
-    """English-like text of about ``tokens`` of the fake's tokens."""
-    rng = random.Random(seed)
-    words: list[str] = []
-    while count_tokens(" ".join(words)) < tokens:
-        words.append(rng.choice(WORDS) + ("." if rng.random() < 0.07 else ""))
-    return " ".join(words)
-
 
 @pytest.fixture
 def clock() -> trio.testing.MockClock:
     return trio.testing.MockClock(autojump_threshold=0.02)
 
 
-def config(url: str, profile: str = "", extra: str = "", kind: str = "openai") -> str:
+def config(url: str, profile: str = "", extra: str = "", kind: str = "openai",
+           own: str = "") -> str:
     base = f"{url}/v1"
     key = 'api_key_env = "FAKE_METERED_KEY"\n' if kind == "anthropic" else ""
+    key += own
     return f"""
 [server]
 records = "records.jsonl"
@@ -417,3 +394,26 @@ async def test_config_check_prints_each_budget_and_where_it_comes_from(tmp_path:
     assert "otpm 16000 output tokens/min (from [providers.cloud.profile] otpm)" in line
     assert "tpm not set (learned from the provider's rate-limit headers" in line
     assert "the lower limit wins" in line
+
+
+async def test_a_connection_check_passes_a_hold_and_its_answer_ends_it_early(
+        nursery: trio.Nursery, clock: trio.testing.MockClock, fake: Metered,
+        tmp_path: Path) -> None:
+    async with relay_for(tmp_path, config(fake.base_url, own='check_model = "m-out5"')) as r:
+        budget = lane_of(r).budget
+        budget.hold(trio.current_time() + 600, "retry-after: 600")
+        waiting = send(nursery, r, ask("queued behind the hold", model="p/m-out10"))
+        with trio.move_on_after(5):
+            await waiting.done.wait()
+        assert not waiting.done.is_set()  # held
+        check = ASGIResult()
+        nursery.start_soon(functools.partial(
+            asgi_request, r.app, "/relay/v1/providers/p/check", b"", check))
+        await check.done.wait()
+        assert check.status == 200, check.text()
+        assert check.json()["status"]["state"] == "connected", check.text()
+        # The check's answer shows the limit has lifted: the hold ends, the queue moves.
+        await waiting.done.wait()
+        assert ok(waiting), waiting.text()
+        assert trio.current_time() < 60
+        assert budget.status(lambda t: None)["hold"] is None

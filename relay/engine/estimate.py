@@ -1,7 +1,7 @@
 """relay's local token estimate (SPEC L12): cheap, no network call, no tokenizer.
 
-ASCII text at 4 characters a token, other characters (CJK, most accented scripts) about a
-token each; 4 tokens a message beyond its text, 3 for the reply's priming; tool
+words, digits and punctuation counted as `estimate_text` says (a regular expression, no
+vocabulary); 4 tokens a message beyond its text, 3 for the reply's priming; tool
 definitions and calls by their JSON; an image part a flat `IMAGE_TOKENS`. docs/tokens.md
 says how it was made and how far off it was on the tests' corpora. The output reservation
 is the request's own limit, else the provider's, else a learned percentile of the model's
@@ -11,7 +11,7 @@ answers (`relay.engine.budget.Budget.learned_output`), never below `OUTPUT_FLOOR
 from __future__ import annotations
 
 import json
-import math
+import re
 from typing import Any
 
 from relay.vocab.events import Call
@@ -24,17 +24,29 @@ MESSAGE_OVERHEAD = 4        # tokens a chat message costs beyond its text (role,
 IMAGE_TOKENS = 1000         # an image part, roughly (providers count 85-1,600)
 
 
+_PIECES = re.compile(r"[^\W\d_]+|\d{1,3}|[^\w\s]|_")
+
+
 def estimate_text(text: str) -> int:
-    """Tokens in ``text``, locally and cheaply: ASCII at 4 characters a token, other
-    characters (CJK, most accented scripts) a token each (docs/tokens.md has how far off
-    this was)."""
+    """Tokens in ``text``, locally: a word is a token and one more for every 6 letters
+    after its first, a CJK character a token (other scripts' words one more every 4),
+    digits a token per 3, each punctuation mark a token; spaces are free. Within about
+    -5 % to +20 % of OpenAI's encodings on English, code, JSON and German, over on
+    Chinese (docs/tokens.md)."""
     if not text:
         return 0
-    n = len(text)
-    if text.isascii():
-        return math.ceil(n / 4)
-    wide = (len(text.encode()) - n) // 2  # about one per non-ASCII character
-    return math.ceil(max(0, n - wide) / 4) + wide
+    total = 0
+    for piece in _PIECES.findall(text):
+        first = piece[0]
+        if first.isascii():
+            total += 1 + (len(piece) - 1) // 6 if first.isalpha() else 1
+        elif not first.isalpha():
+            total += 1
+        elif ord(first) >= 0x2E80:  # CJK and after: about a token a character
+            total += len(piece)
+        else:
+            total += 1 + (len(piece) - 1) // 4
+    return total
 
 
 def _content_tokens(content: Any) -> int:

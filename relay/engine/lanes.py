@@ -350,6 +350,8 @@ class Lane:
         try:
             if on_queued is not None:
                 on_queued()  # inside the try: if it raises, the waiter still leaves
+            if self.budget.active:  # it may be the new head, and able to start now (a
+                self._hand_off()    # check passing a hold; a smaller need, ahead)
             # (noqa, ASYNC912: a waiter granted before the loop runs has nothing to await.)
             with trio.move_on_at(deadline):  # noqa: ASYNC912
                 while not waiter.granted:
