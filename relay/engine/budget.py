@@ -103,7 +103,7 @@ class _Bucket:
         self.at = now
 
     def wait_s(self, cost: float) -> float:
-        if self.level >= cost:
+        if self.level >= cost - 1e-6:  # (a float's last bits are no reason to wait)
             return 0.0
         return (cost - self.level) * 60.0 / self.limit
 
