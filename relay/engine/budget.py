@@ -389,6 +389,4 @@ def too_large_error(provider: str, budget: Budget, need: Need) -> RelayError | N
         "request_too_large", f"this request needs about {cost:,} {what} (estimated: "
         f"{need.input:,} in, {need.output:,} reserved for the answer), more than provider "
         f"{provider!r} allows in a whole minute ({limit:,.0f} {what}, {key}); it could "
-        "never start there.", provider=provider,
-        action="shorten the conversation or lower max_tokens, or send it to a provider "
-               "with a larger budget (a route's fallback may)")
+        "never start there.", provider=provider)

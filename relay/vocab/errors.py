@@ -111,6 +111,8 @@ DEFAULT_ACTIONS: Final[dict[str, str]] = {
     "provider_queue_timeout": "retry after the time in Retry-After; if requests often wait "
                               "this long, raise queue_timeout_s (or lanes) in "
                               "[providers.{provider}.profile]",
+    "request_too_large": "shorten the conversation or lower max_tokens, or send it to a "
+                         "provider with a larger budget (a route's fallback may)",
     "auth_required": "check the provider's API key or login, then retry",
     "run_timeout": "if calls really take this long, raise run_timeout_s in "
                    "[providers.{provider}.profile]; otherwise ask for a shorter answer",
