@@ -417,3 +417,34 @@ async def test_a_connection_check_passes_a_hold_and_its_answer_ends_it_early(
         assert ok(waiting), waiting.text()
         assert trio.current_time() < 60
         assert budget.status(lambda t: None)["hold"] is None
+
+
+@pytest.mark.parametrize("mode", ["configured", "headers", "neither"])
+async def test_sixty_seconds_of_twice_the_input_limit_meet_no_429(
+        nursery: trio.Nursery, clock: trio.testing.MockClock, fake: Metered,
+        tmp_path: Path, mode: str) -> None:
+    profile = "rpm = 60\nitpm = 3000\notpm = 3000" if mode == "configured" else ""
+    if mode == "neither":  # the control: no figure, no header, and so 429s
+        fake.configure(Limits(rpm=60, itpm=3000, otpm=3000), send_headers=False)
+    async with relay_for(tmp_path, config(fake.base_url, profile)) as r:
+        if mode == "headers":  # three small requests show relay the provider's headers
+            for i in range(3):
+                res = send(nursery, r, ask(f"hello {i}", max_tokens=20))
+                await res.done.wait()
+        results = []
+        start = trio.current_time()
+        i = 0
+        while trio.current_time() - start < 60:  # 100 input tokens a second: twice 3,000/min
+            text = prose(400 if i % 4 else 800, 100 + i)
+            results.append(send(nursery, r, ask(text, max_tokens=50, stream=i % 3 == 0)))
+            await trio.sleep(prompt_tokens([{"role": "user", "content": text}]) / 100.0)
+            i += 1
+        for res in results:
+            await res.done.wait()
+        assert len(results) >= 10
+        if mode == "neither":
+            assert fake.rejected  # the workload does go over the limit
+            return
+        assert fake.rejected == []
+        assert all(ok(res) for res in results), [res.text()[-200:] for res in results
+                                                 if not ok(res)]
