@@ -42,7 +42,7 @@ from relay.vocab.profile import Profile
 from .estimate import OUTPUT_FLOOR, estimate_input, estimate_text, output_reservation
 
 __all__ = ["OUTPUT_FLOOR", "Budget", "Need", "Reservation", "estimate_input", "estimate_text",
-           "held_error", "output_reservation", "too_large_error"]
+           "held_error", "output_reservation", "too_large", "too_large_error"]
 
 # (The estimate lives in `relay.engine.estimate`; re-exported here, where it is used.)
 
@@ -382,7 +382,11 @@ def too_large_error(provider: str, budget: Budget, need: Need) -> RelayError | N
     found = budget.too_large(need)
     if found is None:
         return None
-    kind, cost, limit = found
+    return too_large(provider, need, *found)
+
+
+def too_large(provider: str, need: Need, kind: str, cost: int, limit: float) -> RelayError:
+    """``request_too_large``: ``need`` costs ``cost`` of a ``kind`` budget of ``limit``."""
     key = _PROFILE_KEYS.get(kind, kind)
     what = _WHAT[kind]
     return RelayError(

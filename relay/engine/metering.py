@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -32,10 +32,11 @@ from relay.vocab.limits import RateLimits
 from relay.vocab.records import Attempt, Record
 
 from .attempt import Delivered, Run
-from .budget import Need, estimate_input, output_reservation
+from .budget import Need, Reservation, estimate_input, output_reservation
 from .lane_api import LaneLike
 from .lanes import Lane, Ticket
 from .plan import Target
+from .shared_lane import SharedLane
 
 if TYPE_CHECKING:
     from .dispatch import Dispatcher
@@ -45,13 +46,13 @@ __all__ = ["count_wait", "need_of", "run", "slot", "wait_out"]
 logger = logging.getLogger("relay.dispatch")
 
 
-def need_of(run_: Run, lane: Lane) -> Need:
+def need_of(run_: Run, lane: Lane | None) -> Need:
     """What the attempt takes from the provider's token budgets."""
     call = run_.call
     provider_max = getattr(run_.target.provider.config.settings, "max_tokens", None)
+    learned = lane.budget.learned_output(call.model) if lane is not None else None
     return Need(estimate_input(call), output_reservation(
-        call, lane.budget.learned_output(call.model),
-        provider_max if isinstance(provider_max, int) else None))
+        call, learned, provider_max if isinstance(provider_max, int) else None))
 
 
 def slot(dispatcher: Dispatcher, run_: Run, on_queued: Callable[[], None]
@@ -60,14 +61,53 @@ def slot(dispatcher: Dispatcher, run_: Run, on_queued: Callable[[], None]
     leaves at once while the provider is held when the plan has a later target; a
     connection check may pass a hold (it is how a lifted limit shows)."""
     lane, priority = run_.target.provider.lane, dispatcher.priority
+    run_.has_fallback = run_.target is not dispatcher.plan.targets[-1]
+    if isinstance(lane, SharedLane):
+        return _shared_slot(lane, run_, priority, on_queued,
+                            probe=dispatcher.record.route == "(check)")
     if not isinstance(lane, Lane):
         return lane.slot(priority, on_queued=on_queued)
-    run_.has_fallback = run_.target is not dispatcher.plan.targets[-1]
     # (Over the attempt's record, not the run: the sink is the run's, no cycle.)
     run_.sink.on_limits = functools.partial(_limits_seen, lane, run_.record)
     return lane.slot(priority, on_queued=on_queued, need=need_of(run_, lane),
                      leave_if_held=run_.has_fallback,
                      probe=dispatcher.record.route == "(check)")
+
+
+@asynccontextmanager
+async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
+                       on_queued: Callable[[], None], *, probe: bool
+                       ) -> AsyncIterator[Ticket]:
+    """A shared lane's slot, then the attempt's need from the budgets every relay sharing
+    the provider keeps on the coordination server (`SharedBudget`)."""
+    need = need_of(run_, None)
+    async with lane.slot(priority, on_queued=on_queued) as ticket:
+        deadline = ticket.queued_at + lane.profile.queue_timeout_s
+        waited, held_by = await lane.tokens.take(need, deadline=deadline, probe=probe,
+                                                 leave_if_held=run_.has_fallback)
+        ticket.reservation = Reservation(need, trio.current_time())
+        ticket.token_wait_s, ticket.held_by = waited, held_by
+        run_.sink.on_limits = functools.partial(_shared_limits_seen, lane, run_.record)
+        yield ticket
+
+
+def _shared_limits_seen(lane: SharedLane, attempt: Attempt, limits: RateLimits) -> None:
+    began = trio.current_time() - attempt.started
+    lane._coord.start_soon(functools.partial(lane.tokens.seen, limits, ok=True,
+                                             began_s_ago=began))
+
+
+async def _shielded(fn: Callable[[], Any], lane: SharedLane) -> None:
+    """A call to the coordination server that must happen even when the request was
+    cancelled: shielded, with the server's own deadline; a failure is logged."""
+    # (noqa, ASYNC912: ``fn`` is a call to the server: it awaits its answer.)
+    with trio.CancelScope(shield=True,  # noqa: ASYNC912
+                          deadline=trio.current_time() + lane._coord.command_timeout_s):
+        try:
+            await fn()
+        except RelayError as exc:
+            logger.warning("shared token budget of %s not updated: %s", lane.name,
+                           exc.message)
 
 
 def _limits_seen(lane: Lane, attempt: Attempt, limits: RateLimits) -> None:
@@ -80,6 +120,9 @@ async def run(adapter: Adapter, lane: LaneLike, ticket: Ticket, run_: Run,
     """``adapter.run`` for the attempt, with its limits observed and its reservation
     settled before the slot is given back."""
     count_wait(ticket, record)
+    if isinstance(lane, SharedLane) and ticket.reservation is not None:
+        await _run_shared(adapter, lane, ticket, run_, record)
+        return
     if not isinstance(lane, Lane):
         await adapter.run(run_.call, run_.sink)
         return
@@ -93,6 +136,51 @@ async def run(adapter: Adapter, lane: LaneLike, ticket: Ticket, run_: Run,
         settle(lane, ticket, run_, record, None)  # (done already after an error)
 
 
+async def _run_shared(adapter: Adapter, lane: SharedLane, ticket: Ticket, run_: Run,
+                      record: Record) -> None:
+    """`run` on a shared lane: the hold and the settlement go to the server."""
+    error: RelayError | None = None
+    try:
+        await adapter.run(run_.call, run_.sink)
+    except RelayError as exc:
+        error = exc
+        await _shielded(functools.partial(lane.tokens.seen, exc.limits, reason=exc.reason),
+                        lane)
+        raise
+    finally:
+        reservation = ticket.reservation
+        if reservation is not None and not reservation.settled:
+            used_in, used_out = used_of(run_, reservation, error)
+            reservation.settled = True
+            usage = run_.sink.usage
+            reported = usage is not None and usage.prompt_tokens is not None
+            note(record, reservation, used_in, used_out,
+                 not reported and not (error is not None and used_in == used_out == 0))
+            await _shielded(functools.partial(lane.tokens.settle, reservation.need,
+                                              used_in, used_out), lane)
+
+
+def used_of(run_: Run, reservation: Reservation, error: RelayError | None
+            ) -> tuple[int, int]:
+    """What the attempt used: the reported usage; nothing for an error answer; else what
+    was sent and read, estimated."""
+    usage = run_.sink.usage
+    if usage is not None and usage.prompt_tokens is not None:
+        return usage.prompt_tokens, usage.completion_tokens or 0
+    if error is not None and (error.upstream_status is not None
+                              or error.reason == "upstream_unavailable"):
+        return 0, 0
+    return reservation.need.input, -(-run_.sink.read_chars // 4)
+
+
+def note(record: Record, reservation: Reservation, used_in: int, used_out: int,
+         estimated: bool) -> None:
+    record.tokens_reserved = ((record.tokens_reserved or 0) + reservation.need.input
+                              + reservation.need.output)
+    record.tokens_used = (record.tokens_used or 0) + used_in + used_out
+    record.tokens_estimated |= estimated
+
+
 def settle(lane: Lane, ticket: Ticket, run_: Run, record: Record,
            error: RelayError | None) -> None:
     """Settle the attempt's reservation: to the usage the provider reported; else an
@@ -102,23 +190,14 @@ def settle(lane: Lane, ticket: Ticket, run_: Run, record: Record,
     if reservation is None or reservation.settled:
         return
     usage = run_.sink.usage
-    estimated = False
-    if usage is not None and usage.prompt_tokens is not None:
-        used_in, used_out = usage.prompt_tokens, usage.completion_tokens or 0
-        if error is None and usage.completion_tokens is not None and run_.sink.complete:
-            lane.budget.learn(run_.call.model, usage.completion_tokens)
-    elif error is not None and (error.upstream_status is not None
-                                or error.reason == "upstream_unavailable"):
-        used_in = used_out = 0
-    else:
-        used_in = reservation.need.input
-        used_out = -(-run_.sink.read_chars // 4)
-        estimated = True
+    used_in, used_out = used_of(run_, reservation, error)
+    reported = usage is not None and usage.prompt_tokens is not None
+    if (reported and error is None and usage is not None
+            and usage.completion_tokens is not None and run_.sink.complete):
+        lane.budget.learn(run_.call.model, usage.completion_tokens)
+    estimated = not reported and not (error is not None and used_in == used_out == 0)
     lane.settle(ticket, used_in, used_out)
-    record.tokens_reserved = ((record.tokens_reserved or 0) + reservation.need.input
-                              + reservation.need.output)
-    record.tokens_used = (record.tokens_used or 0) + used_in + used_out
-    record.tokens_estimated |= estimated
+    note(record, reservation, used_in, used_out, estimated)
 
 
 def count_wait(ticket: Ticket, record: Record) -> None:
