@@ -9,7 +9,12 @@ import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import attrs
+
 from relay.vocab.errors import RelayError
+from relay.vocab.limits import RateLimits
+
+from ._limits import body_limits, body_retry_s, exhausted_reset_s, read_limits
 
 __all__ = ["AUTH_REASONS", "CONTEXT_PHRASES", "QUOTA_PHRASES", "parse_retry_after",
            "upstream_failure"]
@@ -129,6 +134,26 @@ def _is_quota(said: _Said, lowered: str) -> bool | None:
     return None
 
 
+def _said_when(headers: Mapping[str, str], text: str, said: _Said,
+               limits: RateLimits | None) -> tuple[float | None, str]:
+    """When a 429 said a start may come again, and what said so (SPEC L12): the
+    ``retry-after-ms``/``retry-after`` header, the body's "try again in …", Gemini's
+    ``RetryInfo``, or the reset of a window the headers say is used up."""
+    retry = parse_retry_after(headers)
+    if retry is not None:
+        name = "retry-after-ms" if headers.get("retry-after-ms") else "retry-after"
+        return retry, f"{name}: {headers.get(name)}"
+    retry = body_retry_s(text)
+    if retry is not None:
+        return retry, f"the 429's body: try again in {retry:g} s"
+    if said.retry_s is not None:
+        return said.retry_s, f"RetryInfo retryDelay {said.retry_s:g} s"
+    retry = exhausted_reset_s(limits)
+    if retry is not None:
+        return retry, f"a used-up budget's reset header: {retry:g} s"
+    return None, ""
+
+
 def upstream_failure(
     provider: str, status: int, text: str, headers: Mapping[str, str], *,
     key_hint: str | None = None, in_stream: bool = False,
@@ -142,12 +167,13 @@ def upstream_failure(
     """
     said = _error_fields(text)
     message = said.message
+    limits = read_limits(headers) if headers else None
     where = (f"provider {provider!r} reported an error inside the stream" if in_stream
              else f"provider {provider!r} answered {status}")
     said_it = f"{where}: {message}"
     common: dict[str, Any] = {"provider": provider,
                               "upstream_status": None if in_stream else status,
-                              "upstream_message": message}
+                              "upstream_message": message, "limits": limits}
     lowered = f"{said.code} {said.type} {message}".lower()
     if status in (401, 403) or any(r in AUTH_REASONS for r in said.reasons):
         action = (f"check the API key in the environment variable {key_hint}"
@@ -159,10 +185,16 @@ def upstream_failure(
         if quota:
             return RelayError("quota_exhausted", f"{said_it}. The account's quota is used "
                               "up.", **common)
-        retry = parse_retry_after(headers)
+        retry, cause = _said_when(headers, text, said, limits)
+        taught = body_limits(text)  # the budget it met, named in its words
+        if taught and (limits is None or not limits.windows):
+            limits = common["limits"] = RateLimits(windows=taught)
+        if retry is not None:  # it said when: every start on the provider waits (L12)
+            common["limits"] = attrs.evolve(limits or RateLimits(), hold_s=retry,
+                                            cause=cause)
         return RelayError("rate_limited", f"{said_it}. The provider is rate limiting; retry "
                           "after the time it gave.",
-                          retry_after_s=retry if retry is not None else said.retry_s or 1.0,
+                          retry_after_s=retry if retry is not None else 1.0,
                           **common)
     if 400 <= status < 500:
         if any(p in lowered for p in QUOTA_PHRASES):

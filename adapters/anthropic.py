@@ -308,6 +308,7 @@ class AnthropicAdapter(CloudAdapter):
         body, strip = native or messages_request(call, self.settings.max_tokens)
         reader = MessageReader(self.name, strip)
         await self.post(f"{self.base_url}/messages", body, stream=call.stream,
+                        events=events,
                         read_stream=lambda resp: self._read_stream(resp, reader, events),
                         read_whole=lambda text: self._emit_whole(text, reader, events),
                         headers=self._client_headers(call) if native else None)

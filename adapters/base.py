@@ -41,6 +41,7 @@ from relay.api.http import (
 )
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Delta, Event, EventSink
+from relay.vocab.limits import RateLimits
 
 from ._failures import (
     AUTH_REASONS,
@@ -49,6 +50,7 @@ from ._failures import (
     parse_retry_after,
     upstream_failure,
 )
+from ._limits import read_limits
 from ._sse import MAX_SSE_BYTES, SSEDecoder, SSETooLarge
 
 __all__ = ["AUTH_REASONS", "CONTEXT_PHRASES", "DRAIN_AFTER_FINAL_S", "MAX_SSE_BYTES",
@@ -104,11 +106,15 @@ class HTTPAdapter(Adapter):
     async def post(self, url: str, body: Any, *, stream: bool,
                    read_stream: Callable[[Response], Awaitable[None]],
                    read_whole: Callable[[str], Awaitable[None]],
-                   headers: dict[str, str] | None = None) -> None:
+                   headers: dict[str, str] | None = None,
+                   events: EventSink | None = None) -> None:
         """POST ``body`` and hand the answer to ``read_stream`` (the open response) or
         ``read_whole`` (its text, at most ``max_upstream_bytes``). Inside ``async with
         client.stream``, so a stop closes the upstream connection; an error status becomes
-        its relay error. ``headers`` are sent besides (over) the adapter's own."""
+        its relay error. ``headers`` are sent besides (over) the adapter's own.
+
+        The answer's rate-limit headers (SPEC L12) go to ``events`` as a `RateLimits`
+        before anything of the answer, or ride on the error of an error answer."""
         sent = self.headers
         if headers:
             over = {k.lower() for k in headers}
@@ -119,6 +125,8 @@ class HTTPAdapter(Adapter):
                                            headers=sent) as resp:
                 if resp.status_code != 200:
                     raise await self.failed(resp)
+                if events is not None:  # (an empty one says "answered" all the same)
+                    await events.send(read_limits(resp.headers) or RateLimits())
                 if stream:
                     await read_stream(resp)
                 else:

@@ -36,6 +36,7 @@ import trio
 
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call, EventSink, Usage
+from relay.vocab.limits import RateLimits
 
 from ._cli import (
     Broken,
@@ -47,6 +48,7 @@ from ._cli import (
     Warm,
     tool_error,
 )
+from ._limits import usage_reset_s
 from ._process import ToolProcess
 from ._session import Event, State, Wire
 
@@ -114,10 +116,15 @@ def _auth(provider: str, words: str, *, disguised: bool = False) -> RelayError:
 
 
 def _quota(provider: str, words: str) -> RelayError:
-    return tool_error("quota_exhausted", provider, "claude's usage limit is reached "
-                      f"({words}). The installation and login are fine; call again after "
-                      "the limit resets.", words, status=429,
-                      action="wait until the usage limit resets")
+    error = tool_error("quota_exhausted", provider, "claude's usage limit is reached "
+                       f"({words}). The installation and login are fine; call again after "
+                       "the limit resets.", words, status=429,
+                       action="wait until the usage limit resets")
+    reset = usage_reset_s(words)
+    if reset:  # SPEC L12: no start on this provider until the reset
+        error.limits = RateLimits(hold_s=reset, cause=f"claude's usage-limit notice: "
+                                  f"{words[:120]}")
+    return error
 
 
 def _marked_failure(provider: str, text: str, result: dict[str, Any],

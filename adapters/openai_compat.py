@@ -199,6 +199,7 @@ class OpenAIAdapter(HTTPAdapter):
             body["stream_options"] = {**(call.params.get("stream_options") or {}),
                                       "include_usage": True}
         await self.post(f"{self.base_url}/chat/completions", body, stream=call.stream,
+                        events=events,
                         read_stream=lambda resp: self._read_stream(resp, events),
                         read_whole=lambda text: self._emit_whole(text, events))
 

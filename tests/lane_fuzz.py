@@ -13,7 +13,8 @@ task wakes at every virtual instant at which anything happens, waits until every
 task is blocked (the state is settled for that instant) and checks:
 
 - ``idle``: a free slot never idles while someone waits and the pacer allows a start (the
-  pacer as the profile defines it: 60 / rpm after the last start);
+  pacer as the profile defines it: 60 / rpm after the last start) — and, with token
+  budgets (``tokens=True``, SPEC L12), while the budget has room for the head's need;
 - ``leak``: the lane's running/queued equal the clients inside a slot / waiting (a grant
   that races a cancel leaks no slot, a waiter that left is not counted);
 - ``overdue``: no one waits past their queue timeout;
@@ -23,6 +24,9 @@ And at each event:
 
 - ``capacity``: a start never makes running exceed the lanes;
 - ``pacer``: two starts are never closer than 60 / rpm;
+- ``budget`` (``tokens=True``): a start never takes more input tokens than the fuzz's own
+  model of the bucket holds (``itpm``, refilled continuously, settled when each request
+  ends to a random use of what it reserved);
 - ``queue_max``: a request is queued only while fewer than queue_max wait, and refused
   with ``provider_queue_full`` only when queue_max already wait;
 - ``timeout``: ``provider_queue_timeout`` comes exactly ``queue_timeout_s`` after arrival;
@@ -69,6 +73,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
+from relay.engine.budget import Need
 from relay.engine.lanes import PRIORITIES, Lane
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import Profile
@@ -78,7 +83,7 @@ __all__ = ["KINDS", "MUTANTS", "FuzzReport", "LaneFactory", "LaneUnderTest", "Vi
 
 EPS = 1e-9
 KINDS = ("idle", "leak", "overdue", "wait_idle", "capacity", "pacer", "queue_max",
-         "timeout", "order", "error", "end")
+         "timeout", "order", "error", "end", "budget")
 
 
 class _Stats(Protocol):
@@ -189,6 +194,7 @@ class _Client:
     outcome: str = "new"
     stats_before: Any = None
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    tokens: int = 0  # its input tokens (with token budgets)
 
     @property
     def waiting(self) -> bool:
@@ -233,6 +239,9 @@ class _Fuzz:
         self.before_reload = profile
         self.idle_episode = False
         self.seen_overdue: set[int] = set()
+        # SPEC L12 (``tokens``): the fuzz's own model of the input bucket.
+        self.itpm = profile.itpm
+        self.level, self.level_at = profile.itpm, 0.0
 
     # --- helpers --------------------------------------------------------------------------
     def fail(self, kind: str, detail: str) -> None:
@@ -256,13 +265,31 @@ class _Fuzz:
     def pacer_allows(self, now: float) -> bool:
         return self.profile.rpm <= 0 or now >= self.last_start + 60.0 / self.profile.rpm
 
+    def bucket(self, now: float) -> float:
+        """The model's input bucket now (continuous refill, at most ``itpm``)."""
+        self.level = min(self.itpm, self.level + (now - self.level_at) * self.itpm / 60.0)
+        self.level_at = now
+        return self.level
+
+    def budget_allows(self, now: float) -> bool:
+        waiting = self.waiting()
+        if not self.itpm or not waiting:
+            return True
+        head = min(waiting, key=_Client.key)
+        return self.bucket(now) >= head.tokens - 1e-6
+
     def state(self) -> str:
         stats = self.lanes[0].statistics()
         waiting = ", ".join(f"#{c.n}({c.priority[:3]} since {c.queued_at:g}, timeout at "
                             f"{c.arrived_at + c.timeout_s:g})" for c in self.waiting())
+        tokens = ""
+        if self.itpm:
+            head = min(self.waiting(), key=_Client.key, default=None)
+            tokens = (f"; input bucket {self.bucket(trio.current_time()):.3f} of "
+                      f"{self.itpm:g}, head needs {head.tokens if head else 0}")
         return (f"lane running={stats.running}/{stats.capacity} queued={stats.queued}; "
                 f"model running={len(self.running())} waiting=[{waiting}]; last start="
-                f"{self.last_start:g}; {_profile_str(self.profile)}")
+                f"{self.last_start:g}; {_profile_str(self.profile)}{tokens}")
 
     # --- one client ---------------------------------------------------------------------
     def _queued(self, c: _Client) -> None:
@@ -298,6 +325,19 @@ class _Fuzz:
             self.fail("pacer", f"#{c.n} started {now - self.last_start:g} s after the last "
                       f"start, the pacer allows one per {self.gap():g} s; {self.state()}")
         self.last_start = now
+        if self.itpm:
+            if self.bucket(now) < c.tokens - 1e-6:
+                self.fail("budget", f"#{c.n} started needing {c.tokens} input tokens with "
+                          f"{self.level:.3f} in the bucket; {self.state()}")
+            self.level -= c.tokens
+            if c.queued_at is not None and c.queued_at < now:
+                self.report.count("started after waiting, with a budget")
+
+    def _settle(self, c: _Client, lane: Any, ticket: Any) -> None:
+        """The request ends: it used a random part of what it reserved."""
+        used = self.rng.randint(0, c.tokens)
+        self.level = min(self.itpm, self.bucket(trio.current_time()) + c.tokens - used)
+        lane.settle(ticket, used, 0)
 
     def _race(self, c: _Client) -> None:
         """As ``c`` gives its slot back: cancel the waiter the lane should grant it to."""
@@ -326,12 +366,17 @@ class _Fuzz:
         try:
             with c.scope:
                 try:
-                    async with lane.slot(c.priority,
-                                         on_queued=functools.partial(self._queued, c)):
+                    on_queued = functools.partial(self._queued, c)
+                    slot = (lane.slot(c.priority, on_queued=on_queued,  # type: ignore[call-arg]
+                                      need=Need(c.tokens, 0)) if self.itpm
+                            else lane.slot(c.priority, on_queued=on_queued))
+                    async with slot as ticket:
                         self._started(c)
                         try:
                             await trio.sleep(c.run_s)
                         finally:
+                            if self.itpm:
+                                self._settle(c, lane, ticket)
                             if race < 0.10:
                                 self._race(c)          # just before the release
                             elif race < 0.16:
@@ -384,7 +429,8 @@ class _Fuzz:
         patience = self.draw(0.0, 1.5 * self.profile.queue_timeout_s + mean_run) if (
             rng.random() < 0.25) else None
         c = _Client(n=len(self.clients), priority=priority,
-                    lane=rng.randrange(len(self.lanes)), run_s=run_s, patience_s=patience)
+                    lane=rng.randrange(len(self.lanes)), run_s=run_s, patience_s=patience,
+                    tokens=rng.randint(1, int(self.itpm) // 2) if self.itpm else 0)
         nursery.start_soon(self.client, c, nursery)
 
     async def watch_idle(self, lane: LaneUnderTest) -> None:
@@ -415,7 +461,8 @@ class _Fuzz:
             self.fail("leak", self.state())
         if not self.real_time and stats.capacity != self.profile.lanes:
             self.fail("leak", f"capacity {stats.capacity} != lanes {self.profile.lanes}")
-        idle = bool(waiting) and len(running) < self.profile.lanes and self.pacer_allows(now)
+        idle = (bool(waiting) and len(running) < self.profile.lanes
+                and self.pacer_allows(now) and self.budget_allows(now))
         if self.real_time:  # idle for longer than the slack: a slot left idle
             if idle and now - self.reloaded_at <= 2 * self.eps:
                 idle = False  # a reload's new profile is reaching every relay
@@ -489,7 +536,7 @@ def _random_profile(rng: random.Random, grid: float | None, scale: float = 1.0) 
 
 async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
                      reload_rpm: bool = True, slack: float = 0.0,
-                     scale: float = 1.0) -> FuzzReport:
+                     scale: float = 1.0, tokens: bool = False) -> FuzzReport:
     """One seeded run. Must run on a MockClock that autojumps (threshold 0), unless
     ``slack`` > 0: then in real time (see the module docstring).
 
@@ -500,10 +547,14 @@ async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
         reload_rpm: reloads may change rpm too (otherwise only the other fields).
         slack: real time: how far a rule may be off (seconds).
         scale: every duration of the run (timeouts, runs, the pacer's gap) times this.
+        tokens: an input token budget too (``itpm``, SPEC L12; a local lane only): each
+            request needs a random part of it and settles to a random use.
     """
     rng = random.Random(seed)
     grid = 0.5 * scale if seed % 2 == 0 else None
     profile = _random_profile(rng, grid, scale)
+    if tokens:
+        profile = attrs.evolve(profile, itpm=float(rng.choice([60, 600, 6000])))
     report = FuzzReport(seed=seed, profile=_profile_str(profile))
     async with factory(profile) as lanes:
         fuzz = _Fuzz(lanes, profile, seed, rng, report, grid, slack, scale)
@@ -518,7 +569,8 @@ async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
                     roll = rng.random()
                     if roll < 0.04:
                         fuzz.before_reload, fuzz.reloaded_at = fuzz.profile, trio.current_time()
-                        fresh = _random_profile(rng, grid, scale)
+                        fresh = attrs.evolve(_random_profile(rng, grid, scale),
+                                             itpm=fuzz.profile.itpm)
                         if not reload_rpm:
                             fresh = attrs.evolve(fresh, rpm=fuzz.profile.rpm)
                         fuzz.profile = fresh

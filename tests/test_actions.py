@@ -47,6 +47,8 @@ ACTION_FITS: dict[str, Callable[[str], bool]] = {
     "auth_required": lambda a: "key" in a.lower() or "login" in a.lower(),
     "upstream_unavailable": lambda a: any(w in a for w in (
         "start", "base_url", "network", "proxy", "retry", "install")),
+    # SPEC L12: it could never start there: make it smaller, or send it where it fits.
+    "request_too_large": lambda a: "max_tokens" in a and "fallback" in a,
 }
 
 

@@ -26,6 +26,7 @@ from conftest import chat, config_from, lane_idle, records, sse_events, wait_for
 from test_stops import close, raw_post, read_until
 
 from relay import ConfigError, Served
+from relay.adapters._limits import usage_reset_s
 
 GRACE_S = 0.5
 TOOLS = ("claude", "codex", "gemini")
@@ -285,11 +286,22 @@ async def test_disguised_failures_in_a_success_result(
             assert error["relay"]["upstream_status"] == 401
             assert "claude login" in error["relay"]["action"]
             assert error["relay"]["upstream_message"] == NOTICES[scenario]
-        for scenario in E2_QUOTA:
+        # (The notice with a reset time in the future comes last: it holds the provider,
+        # SPEC L12; the epoch one is long past, so it holds nothing.)
+        for scenario in sorted(E2_QUOTA, key=lambda s: s == "success-hitlimit"):
             for stream in (False, True):   # held back: a real status even when streaming
                 resp = await post(client, served, chat(f"{mode}/{scenario}", stream=stream))
                 error = check_error(resp, 429, "quota_exhausted")
                 assert error["type"] == "insufficient_quota"
+                if scenario == "success-hitlimit" and stream:
+                    # Held until the reset the notice named (3:30am Calcutta, hours away):
+                    # not started, told when.
+                    reset = usage_reset_s(NOTICES[scenario])
+                    assert reset is not None
+                    assert abs(int(resp.headers["retry-after"]) - reset) <= 5
+                    assert "holds every start" in error["message"]
+                    assert NOTICES[scenario] in error["message"]
+                    continue
                 assert resp.headers["retry-after"] == "600"
                 if scenario in NOTICES:
                     assert NOTICES[scenario] in error["relay"]["upstream_message"]

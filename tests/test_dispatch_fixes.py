@@ -390,9 +390,17 @@ run_timeout_s = 20
 [routes.r]
 primary = "a/p"
 retries = 1
+[providers.b]
+adapter = "openai"
+base_url = "{url}"
+[providers.b.profile]
+lanes = 2
+queue_max = 8
+queue_timeout_s = 10
+run_timeout_s = 20
 [routes.rf]
 primary = "a/p"
-fallbacks = ["a/f"]
+fallbacks = ["b/f"]
 retries = 1
 """
 
@@ -414,7 +422,9 @@ async def test_a_day_long_retry_after_is_passed_on_not_slept(
     with trio.fail_after(10):   # with a fallback: it is tried at once
         r = await client.post(f"{served.url}/v1/chat/completions", json=chat("rf"))
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "from f"
-    assert chat_models(upstream.requests) == ["p", "p", "f"]
+    # The day-long 429 holds provider a (SPEC L12): the route's primary is not sent again,
+    # and the fallback on another provider answers at once.
+    assert chat_models(upstream.requests) == ["p", "f"]
 
 
 # --- 3. queue time is recorded however the wait ended -------------------------------------------

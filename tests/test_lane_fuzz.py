@@ -21,6 +21,15 @@ def test_the_lane_keeps_every_rule_at_every_step(seed: int) -> None:
     assert counts.get("started", 0) > 0
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_the_lane_keeps_every_rule_with_a_token_budget(seed: int) -> None:
+    # SPEC L12: the head waits for tokens as it waits for the pacer; the fuzz's own model
+    # of the bucket says when it could start, and that no start overdraws it.
+    report = run_seed(local_lane, seed, tokens=True)
+    assert [str(v) for v in report.violations] == [], report.profile
+    assert report.counts.get("started after waiting, with a budget", 0) > 0
+
+
 def test_the_fuzz_exercises_what_it_claims() -> None:
     totals: dict[str, int] = {}
     for seed in SEEDS:

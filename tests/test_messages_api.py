@@ -431,11 +431,13 @@ async def test_anthropic_client_with_an_openai_compatible_upstream(
         assert isinstance(nf.value.body, dict)
         assert nf.value.body["error"]["relay"]["reason"] == "unknown_model"
 
-        upstream.scripts["m2"] = Script(status=429, headers={"retry-after": "7"},
+        # (A short Retry-After: a longer one holds the provider's next starts, SPEC L12,
+        # and the stream below would wait behind it with its 200 already out.)
+        upstream.scripts["m2"] = Script(status=429, headers={"retry-after-ms": "1"},
                                         error_body=error_body(429, LONG))
         with pytest.raises(anthropic.RateLimitError) as rl:
             await client.messages.create(model="up/m2", max_tokens=5, messages=USER)
-        assert rl.value.response.headers["retry-after"] == "7"
+        assert rl.value.response.headers["retry-after"] == "1"
         assert isinstance(rl.value.body, dict)
         assert rl.value.body["error"]["relay"]["upstream_message"] == LONG
 

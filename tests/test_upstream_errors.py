@@ -181,13 +181,23 @@ async def test_rate_limit_retry_after_forms(nursery: trio.Nursery, tmp_path: Pat
                                             upstream: FakeUpstream,
                                             client: httpx.AsyncClient) -> None:
     served = await start_relay(nursery, with_upstream(upstream), tmp_path)
-    for headers, expected in (({"retry-after-ms": "2500"}, "3"), ({"retry-after": "30"}, "30"),
-                              ({}, "1")):
+    # (A 429 that says when holds every start on the provider until then, SPEC L12: the
+    # short holds first, each over before the next request.)
+    for headers, expected in (({}, "1"), ({"retry-after-ms": "1"}, "1"),
+                              ({"retry-after": "30"}, "30")):
         upstream.scripts["m1"] = Script(status=429, headers=headers)
         r = await client.post(served.url + CHAT, json=chat("up/m1"))
         e1(r, 429, "rate_limited")
         assert r.headers["retry-after"] == expected, headers
         assert r.headers["x-should-retry"] == "true"
+    # The 30 s hold outlasts the queue timeout (10 s): the next request is not sent, and
+    # hears when the hold ends.
+    sent = len(upstream.requests)
+    r = await client.post(served.url + CHAT, json=chat("up/m1"))
+    e1(r, 429, "rate_limited")
+    assert 28 <= int(r.headers["retry-after"]) <= 30
+    assert "retry-after: 30" in r.json()["error"]["message"]
+    assert len(upstream.requests) == sent
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -485,12 +495,14 @@ async def test_openai_client(nursery: trio.Nursery, tmp_path: Path,
         assert nf.value.code == "unknown_model"
         assert "up/m1" in nf.value.message
 
-        upstream.scripts["m2"] = Script(status=429, headers={"retry-after": "7"},
+        # (A short Retry-After: a longer one would hold the provider's next starts, and
+        # the stream below would be queued behind it, its 200 already out; SPEC L12.)
+        upstream.scripts["m2"] = Script(status=429, headers={"retry-after-ms": "1"},
                                         error_body=error_body(429, LONG))
         with pytest.raises(openai.RateLimitError) as rl:
             await c.chat.completions.create(model="up/m2", messages=messages)
         assert rl.value.status_code == 429
-        assert rl.value.response.headers["retry-after"] == "7"
+        assert rl.value.response.headers["retry-after"] == "1"
         assert rl.value.code == "rate_limited"
         assert isinstance(rl.value.body, dict)
         assert rl.value.body["relay"]["upstream_message"] == LONG

@@ -264,9 +264,30 @@ def describe_config(config: Config) -> str:
                      f"{prof.interrupt_grace_s:g} s; models: {models}"
                      + (f"; {detail}" if detail else "")
                      + ("; shared across relays (SPEC L11)" if p.shared else ""))
+        lines.append(f"    token budgets: {_budgets_line(p)}")
     if not config.providers:
         lines.append("  (none)")
     return "\n".join(lines)
+
+
+def _budgets_line(p: Any) -> str:
+    """Each token budget (SPEC L12) and where its figure comes from."""
+    said = []
+    for key, what in (("rpm", "requests"), ("tpm", "tokens"), ("itpm", "input tokens"),
+                      ("otpm", "output tokens")):
+        value = getattr(p.profile, key)
+        if key in p.profile_from_file:
+            where = f"[providers.{p.name}.profile] {key}"
+        else:
+            where = f"adapter {p.adapter!r}'s own profile"
+        if value:
+            said.append(f"{key} {value:g} {what}/min (from {where})")
+        else:
+            said.append(f"{key} not set (learned from the provider's rate-limit headers, "
+                        "if it sends them)")
+    return "; ".join(said) + (". Where a configured figure and a header disagree, the "
+                              "lower limit wins; the provider's 'remaining' always moves "
+                              "the budget")
 
 
 class _Daemon:

@@ -215,7 +215,9 @@ def _load_provider(
     return ProviderConfig(
         name=name, adapter=kind, profile=profile, settings=settings, **values,
         secret_envs=tuple(adapter.secret_envs(settings)),
-        secret_values=tuple(adapter.secret_values(settings)))
+        secret_values=tuple(adapter.secret_values(settings)),
+        profile_from_file=frozenset(k for k, val in attrs.asdict(overrides).items()
+                                    if val is not None))
 
 
 def _unknown_kind(where: str, kind: Any, table: dict[str, Any],

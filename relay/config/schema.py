@@ -34,6 +34,9 @@ class _ProfileTable:
     run_timeout_s: float | None = None
     rpm: float | None = None
     interrupt_grace_s: float | None = None
+    tpm: float | None = None
+    itpm: float | None = None
+    otpm: float | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -4,6 +4,7 @@ dispatcher watches (deadlines, progress, outcome)."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -12,12 +13,13 @@ import attrs
 import trio
 
 from relay.vocab.errors import RelayError
-from relay.vocab.events import Call, Delta, Finish
+from relay.vocab.events import Call, Delta, Finish, Usage
+from relay.vocab.limits import RateLimits
 from relay.vocab.records import Attempt
 
 from .plan import Target
 
-__all__ = ["AttemptSink", "Changes", "Delivered", "Run"]
+__all__ = ["AttemptSink", "Changes", "Delivered", "Run", "check_response"]
 
 
 @attrs.define
@@ -59,8 +61,21 @@ class AttemptSink:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self._in_flight: trio.Event | None = None  # set when a blocked send has ended
+        # SPEC L12: the answer's rate-limit headers go to the provider's budgets (never to
+        # the writer), and its reported usage settles the attempt's reservation.
+        self.on_limits: Callable[[RateLimits], None] | None = None
+        self.usage: Usage | None = None
+        self.read_chars = 0  # answer text this attempt read (for a stopped settlement)
 
     async def send(self, event: Any) -> None:
+        if isinstance(event, RateLimits):
+            if self.on_limits is not None and not self.closed:
+                self.on_limits(event)
+            return
+        if isinstance(event, Usage) and not event.estimated:
+            self.usage = event
+        elif isinstance(event, Delta) and event.content:
+            self.read_chars += len(event.content)
         if self.closed:
             # The attempt was left (timed out, or the request moved on): a late result is
             # never used. Its scope is cancelled too; this only makes sure.
@@ -171,6 +186,7 @@ class Run:
     # answer had already reached the client whole): its task no longer writes one.
     left: bool = False
     error: RelayError | None = None
+    has_fallback: bool = False  # a later target of the plan may take it (SPEC L12 holds)
 
     @property
     def changed(self) -> trio.Event:
@@ -178,3 +194,17 @@ class Run:
 
     def poke(self) -> None:
         self.changes.poke()
+
+
+def check_response(run: Run, stream: bool) -> None:
+    """F8: a response check is part of the attempt. JSON modes must give JSON."""
+    fmt = run.call.params.get("response_format")
+    if stream or not isinstance(fmt, dict):
+        return
+    if fmt.get("type") in ("json_object", "json_schema"):
+        try:
+            json.loads(run.sink.text)
+        except ValueError as exc:
+            raise RelayError("bad_upstream_response", f"{run.target.name} was asked "
+                             f"for JSON ({fmt['type']}) and answered text that is not "
+                             "JSON", provider=run.target.provider.name) from exc

@@ -32,7 +32,6 @@ begins; queue time is recorded however the wait ended; lane notices are never dr
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from typing import Any
@@ -48,7 +47,8 @@ from relay.vocab.errors import RelayError, untraced
 from relay.vocab.events import AttemptStarted, Call, Ended
 from relay.vocab.records import Attempt, Record
 
-from .attempt import AttemptSink, Changes, Delivered, Run
+from . import metering
+from .attempt import AttemptSink, Changes, Delivered, Run, check_response
 from .notices import LaneNotices
 
 __all__ = ["Dispatcher"]
@@ -119,6 +119,9 @@ class Dispatcher:
                 await eager.send(out, AttemptStarted(target.name, sent.any, admitted.ignored))
                 self._note_fallback(target, attempt_no, last)
                 run = await self._attempt(nursery, out, target, call, sent, deadline)
+                if metering.wait_out(self, target, run.error, sent):  # (once: L12)
+                    await eager.send(out, AttemptStarted(target.name, False, admitted.ignored))
+                    run = await self._attempt(nursery, out, target, call, sent, deadline)
                 if run.error is None:
                     return None
                 last = run.error
@@ -320,8 +323,7 @@ class Dispatcher:
             # The attempt holds its adapter from before it queues until its lane slot is
             # back: a reload that retires the adapter closes it only after that.
             with run.scope, provider.handle.use() as adapter:
-                async with provider.lane.slot(
-                        self.priority, on_queued=lambda: notices.queued(run)) as ticket:
+                async with metering.slot(self, run, lambda: notices.queued(run)) as ticket:
                     notices.drop(run)  # it waits no more
                     self.record.queue_ms = round((self.record.queue_ms or 0.0)
                                                  + ticket.queue_s * 1000, 3)
@@ -332,12 +334,12 @@ class Dispatcher:
                     await notices.started(run)
                     run.running_since = trio.current_time()
                     run.poke()
-                    await adapter.run(run.call, run.sink)
+                    await metering.run(adapter, provider.lane, ticket, run, self.record)
                     if not run.sink.complete:
                         raise RelayError("stream_cut", f"provider {provider.name!r} ended "
                                          "its answer before it was complete",
                                          provider=provider.name)
-                    self._check_response(run)
+                    check_response(run, self.stream)
                     finished = True
         except RelayError as exc:
             error = untraced(exc)  # kept as data: a traceback would hold this frame
@@ -378,19 +380,6 @@ class Dispatcher:
             run.sink.closed = True
             run.finished_at = now
             run.poke()
-
-    def _check_response(self, run: Run) -> None:
-        """F8: a response check is part of the attempt. JSON modes must give JSON."""
-        fmt = run.call.params.get("response_format")
-        if self.stream or not isinstance(fmt, dict):
-            return
-        if fmt.get("type") in ("json_object", "json_schema"):
-            try:
-                json.loads(run.sink.text)
-            except ValueError as exc:
-                raise RelayError("bad_upstream_response", f"{run.target.name} was asked "
-                                 f"for JSON ({fmt['type']}) and answered text that is not "
-                                 "JSON", provider=run.target.provider.name) from exc
 
     def _log(self, run: Run) -> None:
         a = run.record

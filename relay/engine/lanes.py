@@ -25,10 +25,22 @@ Edges:
   waiters are granted at once when capacity grows, a new rpm applies at the next start
   (SPEC L10); `wait_idle` returns when nothing runs or waits (an adapter retires then).
 
+Token budgets (SPEC L12) are one more thing the head of the queue waits for, exactly as it
+waits for the pacer: a request brings its `Need` (estimated input, output reservation);
+the head starts only when its lane, the pacer, every budget of `Lane.budget` and any hold
+allow, and sleeps until the earliest moment they all do (no barging: the waiters behind it
+wait too, and no slot idles while it could start). The grant reserves its need; the
+dispatcher settles it once the answer's usage is known. A request whose need exceeds a
+budget's whole limit is refused at once (``request_too_large``); one that would still be
+held by the provider when its queue timeout passes — or that has a fallback to go to
+(``leave_if_held``) — leaves at once with the hold's Retry-After.
+
 `tests/lane_fuzz.py` checks these rules at every step of random runs (SPEC L7-L10).
 
 All bookkeeping is synchronous between checkpoints, so no lock is needed.
 """
+# layers: long because admission is one rule decided in one place (`Lane._hand_off`):
+# slots, the priority queue, the pacer and the token budgets, each waiting the same way.
 
 from __future__ import annotations
 
@@ -44,7 +56,10 @@ import trio
 
 from relay.vocab.errors import RelayError
 from relay.vocab.events import LaneStatistics
+from relay.vocab.limits import RateLimits
 from relay.vocab.profile import Profile
+
+from .budget import Budget, Need, Reservation, held_error, too_large_error
 
 __all__ = ["PRIORITIES", "Lane", "LaneStatistics", "Ticket"]
 
@@ -61,6 +76,9 @@ class Ticket:
     started_at: float | None = None
     released_at: float | None = None
     lease_expired: bool = False  # a shared lane's release never reached its server (L11)
+    reservation: Reservation | None = None  # its token budgets' share (SPEC L12)
+    token_wait_s: float = 0.0  # of its queue time, how long the head waited for tokens
+    held_by: str | None = None  # the provider's hold that delayed it, if one did
 
     @property
     def queue_s(self) -> float:
@@ -80,6 +98,12 @@ class _Waiter:
     start_no: int = 0
     paced_from: float = -math.inf
     granted_at: float = 0.0  # when the slot became its own (its start, for the estimate)
+    need: Need | None = None  # its token budgets' need (SPEC L12)
+    probe: bool = False  # a connection check: may pass a hold
+    reservation: Reservation | None = None
+    token_wait_s: float = 0.0  # time it spent as a head that only waited for tokens
+    head_since: float | None = None
+    held_by: str | None = None
 
     def __lt__(self, other: _Waiter) -> bool:
         return (self.rank, self.seq) < (other.rank, other.seq)
@@ -109,6 +133,26 @@ class Lane:
         self._held_since: list[float] = []
         self._idle = trio.Event()
         self._idle.set()
+        # SPEC L12: the provider's token budgets and holds; a change (a settlement, a
+        # header, a hold) may let the head start sooner, or must make it wait longer.
+        self.budget = Budget(profile, trio.current_time)
+        self.budget.on_change = self._budget_changed
+
+    def _budget_changed(self) -> None:
+        if self._live:
+            self._hand_off()
+            for waiter in self._heap:  # a hold may make a waiter with a fallback leave
+                if not waiter.cancelled and not waiter.granted:
+                    waiter.event.set()
+
+    def observe(self, limits: RateLimits | None, *, started_at: float | None = None,
+                ok: bool = False, reason: str = "rate_limited") -> None:
+        """What an answer said of the provider's limits (SPEC L12)."""
+        self.budget.observe(limits, started_at=started_at, ok=ok, reason=reason)
+
+    def settle(self, ticket: Ticket, used_in: int, used_out: int) -> None:
+        """Move the ticket's reservation to what the answer used (SPEC L12)."""
+        self.budget.settle(ticket.reservation, used_in, used_out)
 
     @property
     def profile(self) -> Profile:
@@ -124,6 +168,7 @@ class Lane:
         """Apply a reloaded profile in place: never revokes a running slot. A new rpm
         applies at once (the next start is due 60 / rpm after the last one)."""
         self._profile = profile
+        self.budget.update_profile(profile)
         self._hand_off()
 
     async def wait_idle(self) -> None:
@@ -144,8 +189,13 @@ class Lane:
             self._idle.set()
 
     def statistics(self) -> LaneStatistics:
+        waiting_for = None
+        if self._live and self.budget.active:
+            head = self._head()
+            waiting_for = self.budget.waiting_for(head.need if head else None)
         return LaneStatistics(running=self._borrowed, capacity=self._profile.lanes,
-                              queued=self._live, queue_max=self._profile.queue_max)
+                              queued=self._live, queue_max=self._profile.queue_max,
+                              waiting_for=waiting_for)
 
     @property
     def held_here(self) -> int:
@@ -200,60 +250,131 @@ class Lane:
             start = max(heapq.heappop(free), start + gap)
             heapq.heappush(free, start + call)
         start += (ahead + 1 - steps) * max(call / lanes, gap)  # a huge queue: its rate
+        start = max(start, self.budget.hold_left(now))  # the provider's hold (SPEC L12)
         return max(0.0, start), left, call, ahead
 
     def slot(
         self, priority: str = "normal", *, on_queued: Callable[[], None] | None = None,
+        need: Need | None = None, leave_if_held: bool = False, probe: bool = False,
     ) -> _Slot:
         """Hold one slot for the body of the ``async with``.
 
         Args:
             priority: ``interactive``, ``normal`` or ``background``.
             on_queued: called (synchronously) when the request has to wait.
+            need: its token budgets' need (SPEC L12); None: it takes no tokens.
+            leave_if_held: leave at once while the provider holds every start (the
+                request has a fallback to go to).
+            probe: a connection check: it may pass a hold (it shows whether the limit
+                has lifted).
 
         Raises:
-            RelayError: ``provider_queue_full`` or ``provider_queue_timeout``.
+            RelayError: ``provider_queue_full``, ``provider_queue_timeout``,
+                ``request_too_large``; ``rate_limited`` when held (see above).
         """
-        return _Slot(self, priority, on_queued)
+        return _Slot(self, priority, on_queued, need, leave_if_held, probe)
 
-    async def _acquire(self, priority: str, on_queued: Callable[[], None] | None) -> Ticket:
+    def _ready_at(self, waiter: _Waiter | None, now: float) -> float:
+        """When ``waiter`` (the head) could start: the pacer, its budgets, a hold."""
+        ready = self._next_start
+        if waiter is not None and self.budget.active:
+            wait = self.budget.wait_s(waiter.need, probe=waiter.probe, now=now)
+            if wait > 0:
+                ready = max(ready, now + wait)
+        return ready
+
+    def _head(self) -> _Waiter | None:
+        while self._heap and self._heap[0].cancelled:
+            heapq.heappop(self._heap)
+        return self._heap[0] if self._heap else None
+
+    def _held_error(self, priority: str, why: str) -> RelayError:
+        return held_error(self.name, self.budget, why,
+                          max(1.0, self.estimate(priority)[0], self.budget.hold_left()))
+
+    def _refuse_early(self, need: Need | None, leave_if_held: bool, probe: bool,
+                      priority: str, now: float) -> None:
+        """Before queueing (SPEC L12): a need larger than a whole budget never starts;
+        a hold goes on past the queue timeout, or the request has a fallback to go to."""
+        if need is not None and (refused := too_large_error(self.name, self.budget, need)):
+            raise refused
+        held = 0.0 if probe else self.budget.hold_left(now)
+        if held > 0 and (leave_if_held or held > self._profile.queue_timeout_s):
+            raise self._held_error(priority, "it has a fallback to go to" if leave_if_held
+                                   else "longer than this request may wait "
+                                   f"(queue_timeout_s {self._profile.queue_timeout_s:g})")
+
+    def _still_held(self, waiter: _Waiter, leave_if_held: bool, deadline: float,
+                    priority: str) -> None:
+        """A waiter woken while the provider holds every start: noted, and it leaves
+        when it has a fallback or the hold outlasts its queue timeout."""
+        current = trio.current_time()
+        held = 0.0 if waiter.probe or waiter.granted else self.budget.hold_left(current)
+        if held <= 0:
+            return
+        if waiter.held_by is None and self.budget.hold_state is not None:
+            waiter.held_by = self.budget.hold_state.cause
+        if leave_if_held or current + held > deadline:
+            raise self._held_error(priority, "it has a fallback to go to" if leave_if_held
+                                   else "past this request's queue timeout")
+
+    async def _acquire(self, priority: str, on_queued: Callable[[], None] | None,
+                       need: Need | None = None, leave_if_held: bool = False,
+                       probe: bool = False) -> Ticket:
+        # long because a waiter's whole life reads best whole: refusals, the fast path,
+        # its wake-ups (slot, pacer, budgets, holds), and the hand-back on a cancel.
         rank = PRIORITIES.get(priority)
         if rank is None:  # before any bookkeeping: a lane must not look busy after it
             raise ValueError(f"unknown priority {priority!r}; one of {', '.join(PRIORITIES)}")
         await trio.lowlevel.checkpoint_if_cancelled()
         now = trio.current_time()
+        budget = self.budget if self.budget.active else None
+        if budget is not None:
+            self._refuse_early(need, leave_if_held, probe, priority, now)
         ticket = Ticket(priority=priority, queued_at=now)
         self._busy()
-        if self._borrowed < self._profile.lanes and self._live == 0 and now >= self._next_start:
+        if (self._borrowed < self._profile.lanes and self._live == 0
+                and now >= self._next_start
+                and (budget is None or budget.wait_s(need, probe=probe, now=now) == 0)):
             self._take(ticket, now)  # (a cancel point above; the schedule point is the
+            ticket.reservation = self.budget.reserve(need) if budget else None
             return ticket            # holder's next wait: no trip through the scheduler)
         if self._live >= self._profile.queue_max:
             self._maybe_idle()
             raise self._capacity_error("provider_queue_full", priority=priority)
 
-        waiter = _Waiter(rank, next(self._seq))
+        waiter = _Waiter(rank, next(self._seq), need=need, probe=probe)
         heapq.heappush(self._heap, waiter)
         self._live += 1
+        deadline = now + self._profile.queue_timeout_s
         try:
             if on_queued is not None:
                 on_queued()  # inside the try: if it raises, the waiter still leaves
+            if self.budget.active:  # it may be the new head, and able to start now (a
+                self._hand_off()    # check passing a hold; a smaller need, ahead)
             # (noqa, ASYNC912: a waiter granted before the loop runs has nothing to await.)
-            with trio.move_on_at(now + self._profile.queue_timeout_s):  # noqa: ASYNC912
+            with trio.move_on_at(deadline):  # noqa: ASYNC912
                 while not waiter.granted:
-                    # Woken by a grant, by the pacer's next start, or (the head of the
-                    # queue) to sleep until that start when a slot is free but paced.
+                    # Woken by a grant, by the pacer's next start or the budgets' (the
+                    # head of the queue sleeps until then when a slot is free), by a
+                    # change of the budgets (a settlement, a header, a hold).
                     event = waiter.event = trio.Event()
-                    pacer = self._next_start  # (no scope held by every waiter when unpaced)
-                    with trio.move_on_at(pacer) if pacer > trio.current_time() else _UNPACED:
+                    current = trio.current_time()
+                    wake = self._ready_at(self._head(), current)
+                    with trio.move_on_at(wake) if wake > current else _UNPACED:
                         await event.wait()
-                    if not waiter.granted and trio.current_time() >= self._next_start:
-                        self._hand_off()  # the pacer allows a start now
+                    self._still_held(waiter, leave_if_held, deadline, priority)
+                    current = trio.current_time()
+                    if not waiter.granted and current >= self._ready_at(self._head(),
+                                                                        current):
+                        self._hand_off()  # the pacer and the budgets allow a start now
         except BaseException:
             # Cancelled from outside (client gone, shutdown) or anything else. Granted in
             # the same tick? Then the slot is ours and must go back, or it leaks.
             if waiter.granted:
                 self._unstart(waiter)
                 self._held_since.remove(waiter.granted_at)
+                self.budget.cancel(waiter.reservation)
                 self._give_back()
             else:
                 self._forget(waiter)
@@ -263,6 +384,9 @@ class Lane:
             raise self._capacity_error("provider_queue_timeout", waited_s=trio.current_time() - now,
                                        priority=priority)
         ticket.started_at = waiter.granted_at
+        ticket.reservation = waiter.reservation
+        ticket.token_wait_s = waiter.token_wait_s
+        ticket.held_by = waiter.held_by
         return ticket
 
     def _take(self, ticket: Ticket, now: float) -> None:
@@ -279,27 +403,33 @@ class Lane:
             self._last_start = waiter.paced_from
 
     def _hand_off(self) -> None:
-        """Give free slots to the first waiters, as far as the pacer allows."""
+        """Give free slots to the first waiters, as far as the pacer and the token
+        budgets allow."""
         now = trio.current_time()
         while self._borrowed < self._profile.lanes and self._live > 0:
-            if now < self._next_start:
-                # A slot is free but the pacer says not yet: make sure the head of the
-                # queue sleeps until the pacer's next start (it may be sleeping without
-                # a deadline), so the free slot is not left idle (SPEC L9).
-                while self._heap and self._heap[0].cancelled:
-                    heapq.heappop(self._heap)
-                if self._heap:
-                    self._heap[0].event.set()
+            head = self._head()
+            if head is None:
+                return
+            ready = self._ready_at(head, now)
+            if now < ready:
+                # A slot is free but the pacer or a budget says not yet: make sure the
+                # head of the queue sleeps until then (it may be sleeping without a
+                # deadline), so the free slot is not left idle (SPEC L9, L12).
+                if ready > self._next_start and head.head_since is None:
+                    head.head_since = now  # it waits for tokens, not for a slot
+                head.event.set()
                 return
             waiter = heapq.heappop(self._heap)
-            if waiter.cancelled:
-                continue
             self._borrowed += 1
             self._held_since.append(now)
             self._live -= 1
             waiter.granted = True
             waiter.granted_at = now
             waiter.paced_from = self._last_start
+            if waiter.head_since is not None:
+                waiter.token_wait_s = now - waiter.head_since
+            if self.budget.active:
+                waiter.reservation = self.budget.reserve(waiter.need)
             self._last_start = now
             self._starts += 1
             waiter.start_no = self._starts
@@ -324,6 +454,9 @@ class Lane:
     def _release(self, ticket: Ticket) -> None:
         now = trio.current_time()
         ticket.released_at = now
+        if ticket.reservation is not None and not ticket.reservation.settled:
+            need = ticket.reservation.need  # nobody settled it: count it as reserved
+            self.budget.settle(ticket.reservation, need.input, need.output)
         if ticket.started_at is not None:
             self._held_since.remove(ticket.started_at)
             self._holds_seen += 1
@@ -382,15 +515,18 @@ class _Slot:
     """`Lane.slot`'s context manager: acquire on entry, release on exit, whatever ends the
     body. A class, not ``@asynccontextmanager``: a generator cost more than the lane."""
 
-    __slots__ = ("_lane", "_on_queued", "_priority", "_ticket")
+    __slots__ = ("_lane", "_leave", "_need", "_on_queued", "_priority", "_probe", "_ticket")
 
     def __init__(self, lane: Lane, priority: str,
-                 on_queued: Callable[[], None] | None) -> None:
+                 on_queued: Callable[[], None] | None, need: Need | None = None,
+                 leave_if_held: bool = False, probe: bool = False) -> None:
         self._lane, self._priority, self._on_queued = lane, priority, on_queued
+        self._need, self._leave, self._probe = need, leave_if_held, probe
         self._ticket: Ticket | None = None
 
     async def __aenter__(self) -> Ticket:
-        self._ticket = await self._lane._acquire(self._priority, self._on_queued)
+        self._ticket = await self._lane._acquire(self._priority, self._on_queued,
+                                                 self._need, self._leave, self._probe)
         return self._ticket
 
     async def __aexit__(self, exc_type: type[BaseException] | None,

@@ -21,6 +21,7 @@ FALLBACK_ON = frozenset({
     "rate_limited", "quota_exhausted", "stream_cut", "bad_upstream_response",
     "upstream_unavailable", "upstream_error", "context_too_long",
     "provider_queue_full", "provider_queue_timeout",
+    "request_too_large",  # a provider with a larger budget may take it (SPEC L12)
     "coordination_unavailable", "coordination_lost",  # the next target may be local (L11)
 })
 # F3: the failures the same target may fix when asked again (never a timeout or a 4xx).

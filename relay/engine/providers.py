@@ -224,7 +224,20 @@ class Provider:
                       "queued": stats.queued, "queue_max": stats.queue_max,
                       "shared": self.lane.shared, "held_here": self.lane.held_here},
             "requests": self.requests(clock),
+            # SPEC L12: each budget (limit, remaining, configured or the provider's
+            # header, and when), the tokens used per minute, the hold and its cause.
+            "budgets": self.budgets(clock),
         })
+
+    def budgets(self, clock: Clock | None = None) -> dict[str, Any] | None:
+        """The provider's token budgets and hold (None: a shared lane, which has none
+        here)."""
+        budget = getattr(self.lane, "budget", None)
+        if budget is None:
+            return None
+        status: dict[str, Any] = budget.status(clock.iso if clock is not None
+                                               else lambda t: None)
+        return status
 
 
 async def discover(provider: Provider) -> None:

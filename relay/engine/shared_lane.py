@@ -48,6 +48,7 @@ from relay.vocab.profile import Profile
 
 from .coordination import Coordinator
 from .lanes import PRIORITIES, Ticket
+from .shared_budget import SharedBudget
 from .shared_errors import capacity_error, lost_error, mismatch_problem
 
 __all__ = ["SharedLane"]
@@ -96,6 +97,7 @@ class SharedLane:
         self._idle = trio.Event()
         self._idle.set()
         coordinator.add(self)
+        self.tokens = SharedBudget(self)  # SPEC L12: the budgets, on the server too
 
     # --- what the relay reads -----------------------------------------------------------
     @property

@@ -58,8 +58,8 @@ class _Counter:
         self.name, self.doc, self.labels = name, doc, labels
         self.values: dict[tuple[str, ...], float] = {}
 
-    def inc(self, *labels: str) -> None:
-        self.values[labels] = self.values.get(labels, 0.0) + 1.0
+    def inc(self, *labels: str, amount: float = 1.0) -> None:
+        self.values[labels] = self.values.get(labels, 0.0) + amount
 
     def family(self) -> Metric:
         from prometheus_client.core import CounterMetricFamily
@@ -116,6 +116,13 @@ class Metrics:
         self.release_lag = _Histogram(
             "relay_stop_release_lag_seconds", "From a stop being asked to the request's "
             "last lane being released", ["provider"], LAG_BUCKETS)
+        self.tokens_used = _Counter(
+            "relay_tokens_used", "Tokens requests used at providers (their reported usage; "
+            "relay's estimate where none was reported), SPEC L12", ["provider"])
+        self.token_wait = _Histogram(
+            "relay_token_wait_seconds", "Of a request's queue time, how long it waited "
+            "for its provider's token budget or hold (SPEC L12)", ["provider"],
+            QUEUE_BUCKETS)
         self._registry: Any = None  # prometheus_client's, made by the first scrape
 
     def observe(self, record: Record) -> None:
@@ -130,6 +137,10 @@ class Metrics:
             self.queue_seconds.observe(record.queue_ms / 1000, provider)
         if record.run_ms is not None:
             self.run_seconds.observe(record.run_ms / 1000, provider)
+        if record.tokens_used:
+            self.tokens_used.inc(provider, amount=record.tokens_used)
+        if record.token_wait_ms is not None:
+            self.token_wait.observe(record.token_wait_ms / 1000, provider)
         if record.stop_requested_at is not None:
             self.stops.inc(provider, reason)
             if record.released_at is not None:  # None: it was stopped before it held a lane
@@ -146,6 +157,31 @@ class Metrics:
         return generate_latest(self._registry)
 
 
+def _budget_families(relay: Engine) -> Iterator[Metric]:
+    """SPEC L12: each provider's token budgets (limit, remaining, where the figure comes
+    from), tokens used in the last minute, and the seconds left of a hold."""
+    from prometheus_client.core import GaugeMetricFamily
+    limit = GaugeMetricFamily("relay_token_budget_limit", "A provider's budget per "
+                              "minute (budget: requests, tokens, input, output; source: "
+                              "configured or header)", labels=["provider", "budget", "source"])
+    remaining = GaugeMetricFamily("relay_token_budget_remaining", "What relay counts as "
+                                  "left of the budget now", labels=["provider", "budget"])
+    used = GaugeMetricFamily("relay_tokens_last_minute", "Tokens used at the provider in "
+                             "the last minute", labels=["provider"])
+    hold = GaugeMetricFamily("relay_provider_hold_seconds", "Seconds left of the "
+                             "provider's hold on every start (0: none)", labels=["provider"])
+    for name, provider in relay.providers.items():
+        status = provider.budgets()
+        if status is None:
+            continue
+        for kind, figures in status["budgets"].items():
+            limit.add_metric([name, kind, figures["source"]], figures["limit_per_minute"])
+            remaining.add_metric([name, kind], figures["remaining"])
+        used.add_metric([name], status["used_last_minute"])
+        hold.add_metric([name], status["hold"]["left_s"] if status["hold"] else 0.0)
+    yield from (limit, remaining, used, hold)
+
+
 class _LiveCollector:
     """What a scrape reads: the counted families as they stand, then gauges computed
     from the relay's current providers."""
@@ -160,7 +196,7 @@ class _LiveCollector:
         from prometheus_client.samples import Sample
         m = self.metrics
         for counted in (m.requests, m.checks, m.queue_seconds, m.run_seconds, m.stops,
-                        m.release_lag):
+                        m.release_lag, m.tokens_used, m.token_wait):
             yield counted.family()
         families = self._families()
         running, capacity, queued, queue_max, state, in_flight, draining, held = families
@@ -180,6 +216,7 @@ class _LiveCollector:
         in_flight.add_metric([], len(relay.in_flight))
         draining.add_metric([], 1.0 if relay.draining else 0.0)
         yield from families
+        yield from _budget_families(relay)
 
     @staticmethod
     def _families() -> tuple[Any, ...]:

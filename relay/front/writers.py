@@ -205,9 +205,14 @@ class StreamWriter(_Writer):
         now = trio.current_time()
         elapsed = now - (self.queued_at if self.queued_at is not None else now)
         if self.request.progress_events:
-            return b"event: relay.waiting\ndata: " + dumps({
-                "running": stats.running, "capacity": stats.capacity,
-                "queued": stats.queued, "elapsed_s": round(elapsed, 1)}) + b"\n\n"
+            data: dict[str, Any] = {"running": stats.running, "capacity": stats.capacity,
+                    "queued": stats.queued, "elapsed_s": round(elapsed, 1)}
+            if stats.waiting_for:  # the provider's token budget or hold (SPEC L12)
+                data["waiting_for"] = stats.waiting_for
+            return b"event: relay.waiting\ndata: " + dumps(data) + b"\n\n"
+        if stats.waiting_for:
+            return self._comment(f"{stats.waiting_for} (running {stats.running}/"
+                                 f"{stats.capacity}, queued {stats.queued}, {elapsed:.0f} s)")
         return self._comment(f"waiting, starts when earlier requests finish (running "
                              f"{stats.running}/{stats.capacity}, queued {stats.queued}, "
                              f"{elapsed:.0f} s)")

@@ -7,6 +7,8 @@ code, and the only place it lives::
 
     RelayError(reason, message, ...)
       phase capacity    429  provider_queue_full, provider_queue_timeout   (+ Retry-After)
+                        400  request_too_large   (its own token estimate exceeds a per-
+                             minute budget, L12: not retryable, fallback-eligible)
       phase quota       429  quota_exhausted                               (Retry-After 600)
       phase rate_limit  429  rate_limited                         (+ the provider's Retry-After)
       phase auth        502  auth_required                                 (upstream said 401/403)
@@ -44,6 +46,7 @@ from typing import Any, Final
 
 import attrs
 
+from .limits import RateLimits
 from .redact import head, redact, redact_obj
 
 __all__ = ["DEFAULT_ACTIONS", "MAX_WORDS_BYTES", "REASONS", "ConfigError", "Reason",
@@ -65,6 +68,8 @@ class Reason:
 REASONS: Final[dict[str, Reason]] = {
     "provider_queue_full": Reason("capacity", 429, "rate_limit_error", True),
     "provider_queue_timeout": Reason("capacity", 429, "rate_limit_error", True),
+    # SPEC L12: could never start here (a larger tier may take it: fallback-eligible).
+    "request_too_large": Reason("capacity", 400, "invalid_request_error"),
     "quota_exhausted": Reason("quota", 429, "insufficient_quota", False, 600.0),
     "rate_limited": Reason("rate_limit", 429, "rate_limit_error", True),
     "auth_required": Reason("auth", 502, "authentication_error"),
@@ -106,6 +111,8 @@ DEFAULT_ACTIONS: Final[dict[str, str]] = {
     "provider_queue_timeout": "retry after the time in Retry-After; if requests often wait "
                               "this long, raise queue_timeout_s (or lanes) in "
                               "[providers.{provider}.profile]",
+    "request_too_large": "shorten the conversation or lower max_tokens, or send it to a "
+                         "provider with a larger budget (a route's fallback may)",
     "auth_required": "check the provider's API key or login, then retry",
     "run_timeout": "if calls really take this long, raise run_timeout_s in "
                    "[providers.{provider}.profile]; otherwise ask for a shorter answer",
@@ -178,6 +185,8 @@ class RelayError(Exception):
             one, the reason's `DEFAULT_ACTIONS` entry, if it has one.
         upstream_status, upstream_message: the provider's own status and words.
         param: the request field at fault, as OpenAI's ``param``.
+        limits: what the provider's answer said of its limits (its rate-limit headers,
+            and for a 429 that said when, the hold; SPEC L12), for the engine's budgets.
 
     ``message`` and ``upstream_message`` are redacted and then bounded (the module
     docstring): where the provider's words appear inside ``message``, it is they that are
@@ -196,6 +205,7 @@ class RelayError(Exception):
         upstream_status: int | None = None,
         upstream_message: str | None = None,
         param: str | None = None,
+        limits: RateLimits | None = None,
         _words_in_message: str | None = None,
     ) -> None:
         if reason not in REASONS:
@@ -217,6 +227,7 @@ class RelayError(Exception):
         self.action = redact(action) if action is not None else None
         self.upstream_status = upstream_status
         self.param = param
+        self.limits = limits
 
     @property
     def phase(self) -> str:
@@ -239,7 +250,7 @@ class RelayError(Exception):
                           retry_after_s=self.retry_after_s, action=self.action,
                           upstream_status=self.upstream_status,
                           upstream_message=self.upstream_message, param=self.param,
-                          _words_in_message=self._words_in_message)
+                          limits=self.limits, _words_in_message=self._words_in_message)
 
     def body(self) -> dict[str, Any]:
         """The OpenAI-shaped error body (SPEC E1): the words bounded as the module

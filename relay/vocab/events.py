@@ -14,9 +14,11 @@ from typing import Any, Protocol
 import attrs
 
 from relay.vocab.errors import RelayError
+from relay.vocab.limits import RateLimits
 
 __all__ = ["AttemptStarted", "Call", "Delta", "Ended", "Event", "EventSink", "Finish",
-           "Inbound", "LaneStatistics", "Queued", "Recovered", "Skipped", "Started", "Usage"]
+           "Inbound", "LaneStatistics", "Queued", "RateLimits", "Recovered", "Skipped", "Started",
+           "Usage"]
 
 
 @attrs.frozen(kw_only=True)
@@ -125,7 +127,9 @@ class Recovered:
     detail: str
 
 
-Event = Delta | Finish | Usage | Skipped | Recovered
+# `RateLimits` (the answer's rate-limit headers, SPEC L12) is for the engine's budgets:
+# the attempt's sink keeps it and never hands it to the writer.
+Event = Delta | Finish | Usage | Skipped | Recovered | RateLimits
 
 
 class EventSink(Protocol):
@@ -143,6 +147,9 @@ class LaneStatistics:
     capacity: int
     queued: int
     queue_max: int
+    # What the head of the queue waits for besides a slot (SPEC L12): the provider's
+    # token budget or a hold, in words with its numbers; None when only for a slot.
+    waiting_for: str | None = None
 
 
 # --- what the engine tells the writer besides the adapters' own events ----------------------

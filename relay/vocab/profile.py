@@ -44,7 +44,9 @@ class Profile:
     lanes: requests that run at once. queue_max: requests allowed to wait.
     queue_timeout_s: longest wait. run_timeout_s: longest run. rpm: request starts per
     minute (0 = unpaced). interrupt_grace_s: CLI tools, how long an interrupt may take
-    to be confirmed before the process group is killed.
+    to be confirmed before the process group is killed. tpm, itpm, otpm: token budgets
+    per minute (SPEC L12) — tokens in and out together, input, output; 0 = not set (a
+    provider that sends rate-limit headers needs none: relay learns them).
     """
 
     lanes: int = attrs.field(validator=v.ge(1))
@@ -53,6 +55,9 @@ class Profile:
     run_timeout_s: float = attrs.field(validator=positive)
     rpm: float = attrs.field(default=0.0, validator=not_negative)
     interrupt_grace_s: float = attrs.field(default=5.0, validator=not_negative)
+    tpm: float = attrs.field(default=0.0, validator=not_negative)
+    itpm: float = attrs.field(default=0.0, validator=not_negative)
+    otpm: float = attrs.field(default=0.0, validator=not_negative)
 
 
 PROFILE_FIELDS = tuple(a.name for a in attrs.fields(Profile))
@@ -85,6 +90,9 @@ class ProviderConfig:
     # Every variable this config names for a secret (each `*_env` setting of the server
     # and of every provider: token_env, api_key_env …): kept from CLI tools (SPEC O5).
     secret_env: frozenset[str] = frozenset()
+    # The profile keys the file itself set (the rest are the adapter's), for `relay
+    # config check` to say where each figure comes from (SPEC L12).
+    profile_from_file: frozenset[str] = frozenset()
 
 
 

@@ -142,6 +142,14 @@ class Record:
     attempts: list[Attempt] = attrs.field(factory=list)
     skipped_events: list[str] = attrs.field(factory=list)
     relay_id: str | None = None  # the relay that served it (and held its slots, SPEC L11)
+    # SPEC L12: the tokens its attempts reserved from the provider's budgets, what they
+    # used (the provider's usage; relay's estimate when it reported none: marked), how
+    # long it waited for tokens, and the provider's hold that delayed it.
+    tokens_reserved: int | None = None
+    tokens_used: int | None = None
+    tokens_estimated: bool = False
+    token_wait_ms: float | None = None
+    held_by: str | None = None
 
     def as_json(self, clock: Clock) -> dict[str, Any]:
         out = attrs.asdict(self, recurse=False)

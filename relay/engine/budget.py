@@ -1,0 +1,396 @@
+"""Token budgets (SPEC L12): what a provider lets start per minute, mirrored on relay's side.
+
+Theory of operation. A provider meters continuous buckets: each budget (request starts,
+tokens, input tokens, output tokens, per minute) holds at most its limit and refills at
+limit / 60 per second. `Budget` keeps the same buckets, on a clock it is given (trio's,
+so tests run on virtual time), as a small pure object that the lane (`relay.engine.lanes`)
+asks and a shared lane's server scripts can mirror:
+
+- ``wait_s(need)``: how long until a request needing ``need`` could start (0: now); the
+  lane's head waits exactly that, as it waits for the pacer (SPEC L9);
+- ``reserve(need)`` at the start: its estimated input plus its output reservation leave
+  the buckets; ``settle(reservation, used)`` at the end moves them to the usage the answer
+  reported (or relay's estimate of what was sent and read, marked so);
+- ``observe(limits)``: the provider is the truth. Its headers set each budget's limit
+  (where a configured figure and a header disagree, the lower wins: a configured figure
+  may be this relay's share of the account, a header is the account's ceiling) and move
+  each level to the ``remaining`` it reported, less the output still reserved by requests
+  in flight (the provider counts output as it is produced);
+- ``hold(until)``: a 429 that said when, or a usage-window notice: no start until then.
+  An answer that *started* after the hold began and came back fine ends it early (the
+  limit has lifted: a connection check, which may pass a hold, is how relay finds out).
+
+A request whose need exceeds a budget's whole limit could never start: `too_large`.
+The output reservation is the request's own ``max_tokens`` (or ``max_completion_tokens``,
+``max_output_tokens``), else the provider's, else the 90th percentile of that model's
+last 100 reported answers, never below `OUTPUT_FLOOR` (docs/tokens.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from relay.vocab.errors import RelayError
+from relay.vocab.limits import KINDS, RateLimits
+from relay.vocab.profile import Profile
+
+from .estimate import OUTPUT_FLOOR, estimate_input, estimate_text, output_reservation
+
+__all__ = ["OUTPUT_FLOOR", "Budget", "Need", "Reservation", "estimate_input", "estimate_text",
+           "held_error", "output_reservation", "too_large", "too_large_error"]
+
+# (The estimate lives in `relay.engine.estimate`; re-exported here, where it is used.)
+
+LEARNED_SAMPLES = 100       # answers per model kept for the percentile
+_PROFILE_KEYS = {"tokens": "tpm", "input": "itpm", "output": "otpm"}
+_WHAT = {"requests": "request starts", "tokens": "tokens", "input": "input tokens",
+         "output": "output tokens"}
+
+
+@attrs.frozen(slots=True)
+class Need:
+    """What one request will take: its estimated input and its output reservation."""
+
+    input: int
+    output: int
+
+    def cost(self, kind: str) -> int:
+        if kind == "requests":
+            return 1
+        if kind == "tokens":
+            return self.input + self.output
+        return self.input if kind == "input" else self.output
+
+
+@attrs.define(eq=False)
+class Reservation:
+    need: Need
+    at: float
+    settled: bool = False
+
+
+@attrs.define
+class _Bucket:
+    configured: float = 0.0          # the profile's figure per minute (0: not set)
+    header: float | None = None      # the provider's figure, from its last header
+    header_at: float | None = None
+    level: float = 0.0
+    at: float = -math.inf
+    remaining_said: float | None = None  # the last header's remaining, as it said
+
+    @property
+    def limit(self) -> float:
+        figures = [f for f in (self.configured or None, self.header) if f]
+        return min(figures) if figures else 0.0
+
+    @property
+    def source(self) -> str:
+        if self.header and (not self.configured or self.header <= self.configured):
+            return "header"
+        return "configured"
+
+    def refill(self, now: float) -> None:
+        limit = self.limit
+        if self.at == -math.inf:
+            self.level = limit
+        elif now > self.at:
+            self.level = min(limit, self.level + (now - self.at) * limit / 60.0)
+        self.at = now
+
+    def wait_s(self, cost: float) -> float:
+        if self.level >= cost - 1e-6:  # (a float's last bits are no reason to wait)
+            return 0.0
+        return (cost - self.level) * 60.0 / self.limit
+
+
+@attrs.define
+class Hold:
+    until: float
+    since: float
+    cause: str
+    reason: str = "rate_limited"  # or quota_exhausted: a usage window (SPEC E2)
+
+
+class Budget:
+    """One provider's token and request budgets (see the module docstring)."""
+
+    def __init__(self, profile: Profile, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+        self._outstanding_out = 0  # output tokens reserved by requests in flight
+        self._tightened_at = -math.inf  # when a header last lowered a level
+        # After a hold, one request goes first; the rest wait until its answer comes
+        # back (a 200), so a provider that said nothing more meets one 429 a window.
+        self._probe_due = False
+        self._probe: Reservation | None = None
+        self._learned: dict[str, collections.deque[int]] = {}
+        self.hold_state: Hold | None = None
+        self._minutes: collections.deque[tuple[int, int]] = collections.deque()
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self.on_change: Callable[[], None] = lambda: None
+        self.update_profile(profile)
+
+    # --- configuration ------------------------------------------------------------------
+    def update_profile(self, profile: Profile) -> None:
+        for kind, key in _PROFILE_KEYS.items():
+            figure = float(getattr(profile, key))
+            bucket = self._buckets.get(kind)
+            if bucket is None and figure:
+                bucket = self._buckets[kind] = _Bucket()
+            if bucket is not None:
+                bucket.configured = figure
+                if not bucket.limit:
+                    del self._buckets[kind]
+        self.on_change()
+
+    @property
+    def active(self) -> bool:
+        """Any budget known (configured or learned), or a hold."""
+        return (bool(self._buckets) or self.hold_state is not None or self._probe_due
+                or self._probe is not None)
+
+    def _live(self, now: float) -> dict[str, _Bucket]:
+        for bucket in self._buckets.values():
+            bucket.refill(now)
+        return self._buckets
+
+    # --- admission ------------------------------------------------------------------------
+    def too_large(self, need: Need) -> tuple[str, int, float] | None:
+        """(kind, need, limit) for a budget ``need`` exceeds as a whole, or None."""
+        for kind, bucket in self._buckets.items():
+            if kind != "requests" and need.cost(kind) > bucket.limit:
+                return kind, need.cost(kind), bucket.limit
+        return None
+
+    def hold_left(self, now: float | None = None) -> float:
+        now = self._clock() if now is None else now
+        if self.hold_state is None:
+            return 0.0
+        if now >= self.hold_state.until:
+            self.hold_state = None
+            return 0.0
+        return self.hold_state.until - now
+
+    def wait_s(self, need: Need | None, *, probe: bool = False, now: float | None = None
+               ) -> float:
+        """How long until a request needing ``need`` could start (0.0: now). ``probe``:
+        a connection check, which may pass a hold (it is how a lifted limit shows)."""
+        now = self._clock() if now is None else now
+        wait = 0.0 if probe else self.hold_left(now)
+        if self._probe is not None and not probe:
+            return math.inf  # woken when the first answer after the hold comes back
+        if need is None:
+            return wait
+        for kind, bucket in self._live(now).items():
+            wait = max(wait, bucket.wait_s(min(need.cost(kind), bucket.limit)))
+        return wait
+
+    def waiting_for(self, need: Need | None, now: float | None = None) -> str | None:
+        """What a head that cannot start yet waits for, in words with its numbers."""
+        now = self._clock() if now is None else now
+        held = self.hold_left(now)
+        if held > 0 and self.hold_state is not None:
+            return (f"waiting for the provider's hold ({self.hold_state.cause}): no start "
+                    f"for about {math.ceil(held)} s")
+        if self._probe is not None:
+            return ("waiting for the first request after the provider's hold to be "
+                    "answered")
+        if need is None:
+            return None
+        worst: tuple[float, str] | None = None
+        for kind, bucket in self._live(now).items():
+            cost = min(need.cost(kind), bucket.limit)
+            wait = bucket.wait_s(cost)
+            if wait > 0 and (worst is None or wait > worst[0]):
+                free = max(0, math.floor(bucket.level))
+                worst = (wait, f"waiting for the provider's {_WHAT[kind]} budget: "
+                               f"{free:,} of {cost:,} free, about {math.ceil(wait)} s")
+        return worst[1] if worst else None
+
+    def reserve(self, need: Need | None) -> Reservation | None:
+        if need is None:
+            return None
+        now = self._clock()
+        for kind, bucket in self._live(now).items():
+            bucket.level -= need.cost(kind)
+        self._outstanding_out += need.output
+        reservation = Reservation(need, now)
+        if self._probe_due and self.hold_left(now) <= 0:
+            self._probe_due, self._probe = False, reservation
+        return reservation
+
+    def cancel(self, reservation: Reservation | None) -> None:
+        """A grant handed straight back: it took nothing."""
+        if reservation is not None and reservation is self._probe:
+            self._probe, self._probe_due = None, True
+        self.settle(reservation, 0, 0, count=False)
+
+    def settle(self, reservation: Reservation | None, used_in: int, used_out: int, *,
+               count: bool = True) -> None:
+        """Move a reservation to what was used (a budget gives back what was reserved
+        and not used, and takes what was used beyond it)."""
+        if reservation is None or reservation.settled:
+            return
+        reservation.settled = True
+        if reservation is self._probe:
+            self._probe = None  # it ended without a 429 (a 429 set a new hold first)
+        now = self._clock()
+        used = Need(used_in, used_out)
+        # A header that lowered a level after this reservation was made already counted
+        # its real input: only its output is settled then (else it would count twice).
+        counted = self._tightened_at >= reservation.at and count
+        for kind, bucket in self._live(now).items():
+            if kind == "requests" or (counted and kind == "input"):
+                continue
+            back = reservation.need.cost(kind) - used.cost(kind)
+            if counted and kind == "tokens":
+                back = reservation.need.output - used.output
+            bucket.level = min(bucket.limit, bucket.level + back)
+        self._outstanding_out = max(0, self._outstanding_out - reservation.need.output)
+        if count:
+            self._count(now, used_in + used_out)
+        self.on_change()
+
+    def learn(self, model: str, output_tokens: int) -> None:
+        """A reported answer's length, for the output reservation of the next ones."""
+        seen = self._learned.setdefault(model, collections.deque(maxlen=LEARNED_SAMPLES))
+        seen.append(output_tokens)
+
+    def learned_output(self, model: str) -> int | None:
+        seen = self._learned.get(model)
+        if not seen or len(seen) < 3:
+            return None
+        ordered = sorted(seen)
+        return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+
+    # --- what the provider said -------------------------------------------------------------
+    def observe(self, limits: RateLimits | None, *, started_at: float | None = None,
+                ok: bool = False, reason: str = "rate_limited") -> None:
+        """An answer's rate-limit headers (and hold); see the module docstring."""
+        now = self._clock()
+        if limits is not None:
+            for kind, window in limits.windows.items():
+                if kind not in KINDS:
+                    continue
+                bucket = self._buckets.get(kind)
+                if window.limit:
+                    if bucket is None:
+                        bucket = self._buckets[kind] = _Bucket()
+                    bucket.refill(now)
+                    bucket.header, bucket.header_at = window.limit, now
+                if bucket is None or window.remaining is None:
+                    continue
+                fresh = bucket.remaining_said is None and bucket.header_at == now
+                bucket.refill(now)
+                bucket.remaining_said = window.remaining
+                pending = self._outstanding_out if kind in ("tokens", "output") else 0
+                said = min(bucket.limit, window.remaining - pending)
+                # The provider's count only ever tightens relay's (a header may be late:
+                # requests relay started since may not be in it); settlements bring
+                # relay's own count to the usage the answers report.
+                if fresh or said < bucket.level:
+                    bucket.level = said
+                    self._tightened_at = now
+            if limits.hold_s is not None and limits.hold_s > 0:
+                self.hold(now + limits.hold_s, limits.cause or "the provider said wait",
+                          reason)
+        if ok:
+            self._probe = None  # an answer came back: the rest may start
+            if (self.hold_state is not None and started_at is not None
+                    and started_at >= self.hold_state.since):
+                self.hold_state = None  # an answer begun after the hold: it has lifted
+        self.on_change()
+
+    def hold(self, until: float, cause: str, reason: str = "rate_limited") -> None:
+        now = self._clock()
+        if self.hold_state is None or until > self.hold_state.until:
+            self.hold_state = Hold(until=until, since=now, cause=cause, reason=reason)
+        self._probe_due, self._probe = True, None
+        self.on_change()
+
+    # --- visibility ---------------------------------------------------------------------------
+    def _count(self, now: float, tokens: int) -> None:
+        minute = int(now // 60)
+        if self._minutes and self._minutes[-1][0] == minute:
+            self._minutes[-1] = (minute, self._minutes[-1][1] + tokens)
+        else:
+            self._minutes.append((minute, tokens))
+        while self._minutes and self._minutes[0][0] <= minute - 60:
+            self._minutes.popleft()
+        self._recent.append((now, tokens))
+        while self._recent and self._recent[0][0] <= now - 60:
+            self._recent.popleft()
+
+    def used_last_minute(self, now: float) -> int:
+        while self._recent and self._recent[0][0] <= now - 60:
+            self._recent.popleft()
+        return sum(t for _, t in self._recent)
+
+    def status(self, iso: Callable[[float | None], str | None]) -> dict[str, Any]:
+        """The per-provider ``budgets`` object of the status (SPEC L12)."""
+        now = self._clock()
+        budgets: dict[str, Any] = {}
+        for kind, bucket in self._live(now).items():
+            budgets[kind] = {
+                "limit_per_minute": bucket.limit,
+                "remaining": max(0, math.floor(bucket.level)),
+                "source": bucket.source,
+                "configured": bucket.configured or None,
+                "header": bucket.header,
+                "header_at": iso(bucket.header_at),
+            }
+        held = self.hold_left(now)
+        minute = int(now // 60)
+        history = dict(self._minutes)
+        return {
+            "budgets": budgets,
+            "used_last_minute": self.used_last_minute(now),
+            "reserved_output": self._outstanding_out,
+            "hold": ({"until": iso(self.hold_state.until), "left_s": round(held, 3),
+                      "cause": self.hold_state.cause}
+                     if self.hold_state is not None and held > 0 else None),
+            # Tokens used per minute over the last hour, oldest first (the page's chart).
+            "per_minute": [history.get(m, 0) for m in range(minute - 59, minute + 1)],
+            "tokens_limit": (self._buckets["tokens"].limit if "tokens" in self._buckets
+                             else sum(self._buckets[k].limit for k in ("input", "output")
+                                      if k in self._buckets) or None),
+        }
+
+
+def held_error(provider: str, budget: Budget, why: str, retry_after_s: float) -> RelayError:
+    """A request the provider's hold keeps from starting (it has a fallback to go to, or
+    the hold outlasts its queue timeout): the hold's own reason, and when it ends."""
+    held = budget.hold_state
+    left = budget.hold_left()
+    cause = held.cause if held is not None else "the provider said wait"
+    return RelayError(
+        held.reason if held is not None else "rate_limited",
+        f"provider {provider!r} holds every start for about {math.ceil(left)} s more "
+        f"({cause}); {why}. This request was not sent.", provider=provider,
+        retry_after_s=retry_after_s,
+        action="retry after the time in Retry-After; relay holds the provider's queue "
+               "until then")
+
+
+def too_large_error(provider: str, budget: Budget, need: Need) -> RelayError | None:
+    """``request_too_large`` for a need larger than one of the budgets' whole minute."""
+    found = budget.too_large(need)
+    if found is None:
+        return None
+    return too_large(provider, need, *found)
+
+
+def too_large(provider: str, need: Need, kind: str, cost: int, limit: float) -> RelayError:
+    """``request_too_large``: ``need`` costs ``cost`` of a ``kind`` budget of ``limit``."""
+    key = _PROFILE_KEYS.get(kind, kind)
+    what = _WHAT[kind]
+    return RelayError(
+        "request_too_large", f"this request needs about {cost:,} {what} (estimated: "
+        f"{need.input:,} in, {need.output:,} reserved for the answer), more than provider "
+        f"{provider!r} allows in a whole minute ({limit:,.0f} {what}, {key}); it could "
+        "never start there.", provider=provider)

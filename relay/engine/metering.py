@@ -1,0 +1,230 @@
+"""An attempt's side of the token budgets (SPEC L12): what it takes from its provider's
+budgets, what the answer said of the provider's limits, and the settlement.
+
+The dispatcher calls these around the adapter, inside the attempt's lane slot:
+
+- `slot`: the lane's slot with the attempt's `Need` (estimated input plus its output
+  reservation), leaving at once while the provider is held when the plan has a fallback
+  (F2); the answer's rate-limit headers reach the lane through the attempt's sink;
+- `run`: the adapter's run; an error answer's limits (a 429's hold) reach the lane
+  *before* the slot is given back (the next start must already see the hold), and the
+  reservation is settled to the usage the provider reported, or to relay's estimate of
+  what was sent and read (marked so), or to nothing for an error answer;
+- `wait_out`: whether a 429 that set a hold is waited out on the same target (a stream
+  whose 200 is already out never ends in a 429 it could have waited out).
+
+A shared lane (SPEC L11) has no budgets here: its slot is taken as it always was.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from relay.api.adapter import Adapter
+from relay.vocab.errors import RelayError
+from relay.vocab.limits import RateLimits
+from relay.vocab.records import Attempt, Record
+
+from .attempt import Delivered, Run
+from .budget import Need, Reservation, estimate_input, output_reservation
+from .lane_api import LaneLike
+from .lanes import Lane, Ticket
+from .plan import Target
+from .shared_lane import SharedLane
+
+if TYPE_CHECKING:
+    from .dispatch import Dispatcher
+
+__all__ = ["count_wait", "need_of", "run", "slot", "wait_out"]
+
+logger = logging.getLogger("relay.dispatch")
+
+
+def need_of(run_: Run, lane: Lane | None) -> Need:
+    """What the attempt takes from the provider's token budgets."""
+    call = run_.call
+    provider_max = getattr(run_.target.provider.config.settings, "max_tokens", None)
+    learned = lane.budget.learned_output(call.model) if lane is not None else None
+    return Need(estimate_input(call), output_reservation(
+        call, learned, provider_max if isinstance(provider_max, int) else None))
+
+
+def slot(dispatcher: Dispatcher, run_: Run, on_queued: Callable[[], None]
+         ) -> AbstractAsyncContextManager[Ticket]:
+    """The attempt's lane slot, with its need when the lane keeps token budgets. It
+    leaves at once while the provider is held when the plan has a later target; a
+    connection check may pass a hold (it is how a lifted limit shows)."""
+    lane, priority = run_.target.provider.lane, dispatcher.priority
+    run_.has_fallback = run_.target is not dispatcher.plan.targets[-1]
+    if isinstance(lane, SharedLane):
+        return _shared_slot(lane, run_, priority, on_queued,
+                            probe=dispatcher.record.route == "(check)")
+    if not isinstance(lane, Lane):
+        return lane.slot(priority, on_queued=on_queued)
+    # (Over the attempt's record, not the run: the sink is the run's, no cycle.)
+    run_.sink.on_limits = functools.partial(_limits_seen, lane, run_.record)
+    return lane.slot(priority, on_queued=on_queued, need=need_of(run_, lane),
+                     leave_if_held=run_.has_fallback,
+                     probe=dispatcher.record.route == "(check)")
+
+
+@asynccontextmanager
+async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
+                       on_queued: Callable[[], None], *, probe: bool
+                       ) -> AsyncIterator[Ticket]:
+    """A shared lane's slot, then the attempt's need from the budgets every relay sharing
+    the provider keeps on the coordination server (`SharedBudget`)."""
+    need = need_of(run_, None)
+    async with lane.slot(priority, on_queued=on_queued) as ticket:
+        deadline = ticket.queued_at + lane.profile.queue_timeout_s
+        waited, held_by = await lane.tokens.take(need, deadline=deadline, probe=probe,
+                                                 leave_if_held=run_.has_fallback)
+        ticket.reservation = Reservation(need, trio.current_time())
+        ticket.token_wait_s, ticket.held_by = waited, held_by
+        run_.sink.on_limits = functools.partial(_shared_limits_seen, lane, run_.record)
+        yield ticket
+
+
+def _shared_limits_seen(lane: SharedLane, attempt: Attempt, limits: RateLimits) -> None:
+    began = trio.current_time() - attempt.started
+    lane._coord.start_soon(functools.partial(lane.tokens.seen, limits, ok=True,
+                                             began_s_ago=began))
+
+
+async def _shielded(fn: Callable[[], Any], lane: SharedLane) -> None:
+    """A call to the coordination server that must happen even when the request was
+    cancelled: shielded, with the server's own deadline; a failure is logged."""
+    # (noqa, ASYNC912: ``fn`` is a call to the server: it awaits its answer.)
+    with trio.CancelScope(shield=True,  # noqa: ASYNC912
+                          deadline=trio.current_time() + lane._coord.command_timeout_s):
+        try:
+            await fn()
+        except RelayError as exc:
+            logger.warning("shared token budget of %s not updated: %s", lane.name,
+                           exc.message)
+
+
+def _limits_seen(lane: Lane, attempt: Attempt, limits: RateLimits) -> None:
+    """A 200's rate-limit headers (an attempt begun after a hold began: it has lifted)."""
+    lane.observe(limits, started_at=attempt.started, ok=True)
+
+
+async def run(adapter: Adapter, lane: LaneLike, ticket: Ticket, run_: Run,
+              record: Record) -> None:
+    """``adapter.run`` for the attempt, with its limits observed and its reservation
+    settled before the slot is given back."""
+    count_wait(ticket, record)
+    if isinstance(lane, SharedLane) and ticket.reservation is not None:
+        await _run_shared(adapter, lane, ticket, run_, record)
+        return
+    if not isinstance(lane, Lane):
+        await adapter.run(run_.call, run_.sink)
+        return
+    try:
+        await adapter.run(run_.call, run_.sink)
+    except RelayError as exc:
+        lane.observe(exc.limits, reason=exc.reason)  # a hold stops the next start
+        settle(lane, ticket, run_, record, exc)
+        raise
+    finally:
+        settle(lane, ticket, run_, record, None)  # (done already after an error)
+
+
+async def _run_shared(adapter: Adapter, lane: SharedLane, ticket: Ticket, run_: Run,
+                      record: Record) -> None:
+    """`run` on a shared lane: the hold and the settlement go to the server."""
+    error: RelayError | None = None
+    try:
+        await adapter.run(run_.call, run_.sink)
+    except RelayError as exc:
+        error = exc
+        await _shielded(functools.partial(lane.tokens.seen, exc.limits, reason=exc.reason),
+                        lane)
+        raise
+    finally:
+        reservation = ticket.reservation
+        if reservation is not None and not reservation.settled:
+            used_in, used_out = used_of(run_, reservation, error)
+            reservation.settled = True
+            usage = run_.sink.usage
+            reported = usage is not None and usage.prompt_tokens is not None
+            note(record, reservation, used_in, used_out,
+                 not reported and not (error is not None and used_in == used_out == 0))
+            await _shielded(functools.partial(lane.tokens.settle, reservation.need,
+                                              used_in, used_out), lane)
+
+
+def used_of(run_: Run, reservation: Reservation, error: RelayError | None
+            ) -> tuple[int, int]:
+    """What the attempt used: the reported usage; nothing for an error answer; else what
+    was sent and read, estimated."""
+    usage = run_.sink.usage
+    if usage is not None and usage.prompt_tokens is not None:
+        return usage.prompt_tokens, usage.completion_tokens or 0
+    if error is not None and (error.upstream_status is not None
+                              or error.reason == "upstream_unavailable"):
+        return 0, 0
+    return reservation.need.input, -(-run_.sink.read_chars // 4)
+
+
+def note(record: Record, reservation: Reservation, used_in: int, used_out: int,
+         estimated: bool) -> None:
+    record.tokens_reserved = ((record.tokens_reserved or 0) + reservation.need.input
+                              + reservation.need.output)
+    record.tokens_used = (record.tokens_used or 0) + used_in + used_out
+    record.tokens_estimated |= estimated
+
+
+def settle(lane: Lane, ticket: Ticket, run_: Run, record: Record,
+           error: RelayError | None) -> None:
+    """Settle the attempt's reservation: to the usage the provider reported; else an
+    error answer (a status, or nothing reached) used nothing; else relay's estimate of
+    what was sent and read (a stopped request included), marked estimated."""
+    reservation = ticket.reservation
+    if reservation is None or reservation.settled:
+        return
+    usage = run_.sink.usage
+    used_in, used_out = used_of(run_, reservation, error)
+    reported = usage is not None and usage.prompt_tokens is not None
+    if (reported and error is None and usage is not None
+            and usage.completion_tokens is not None and run_.sink.complete):
+        lane.budget.learn(run_.call.model, usage.completion_tokens)
+    estimated = not reported and not (error is not None and used_in == used_out == 0)
+    lane.settle(ticket, used_in, used_out)
+    note(record, reservation, used_in, used_out, estimated)
+
+
+def count_wait(ticket: Ticket, record: Record) -> None:
+    """The attempt's wait for tokens, and the hold that delayed it, into the record."""
+    if ticket.reservation is not None or ticket.token_wait_s:
+        record.token_wait_ms = round((record.token_wait_ms or 0.0)
+                                     + ticket.token_wait_s * 1000, 3)
+    if ticket.held_by is not None:
+        record.held_by = ticket.held_by
+
+
+def wait_out(dispatcher: Dispatcher, target: Target, error: RelayError | None,
+             sent: Delivered) -> bool:
+    """Whether a 429 that set a hold is waited out on the same target: the last target,
+    nothing of the answer sent, and a stream whose headers are out (it was queued, or
+    has had a heartbeat) — a client that has its 200 cannot be told 429 any more."""
+    limits = error.limits if error is not None else None
+    if (error is None or error.reason != "rate_limited" or limits is None or not limits.hold_s
+            or sent.any or not dispatcher.stream or target is not dispatcher.plan.targets[-1]):
+        return False
+    record = dispatcher.record
+    headers_out = (any(r.queued_at is not None for r in dispatcher.runs)
+                   or trio.current_time() - record.started_at
+                   >= dispatcher.relay.config.server.heartbeat_s)
+    if not headers_out or limits.hold_s > target.provider.config.profile.queue_timeout_s:
+        return False
+    logger.info("hold_waited_out request=%s target=%s: the provider said wait %g s; the "
+                "request queues again behind its hold", record.id, target.name,
+                limits.hold_s)
+    return True

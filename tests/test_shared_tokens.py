@@ -1,0 +1,133 @@
+"""Token budgets on a shared provider (SPEC L12 with L11): three relays, one real
+redis-server, one provider that meters tokens (tests/fake_metered.py). Real time: the
+budgets live on the server's clock."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+from conftest import start_relay
+from fake_metered import Limits, Metered, prose, serve_metered
+from redis_server import RedisServer, redis_fixture  # noqa: F401  (the fixture)
+
+from relay import Served
+from relay.engine.shared_lane import SharedLane
+from relay.vocab.limits import RateLimits
+
+
+def shared(url: str, redis_url: str, relay_id: str, profile: str = "") -> str:
+    return f"""
+[server]
+records = "records.jsonl"
+coordination_url = "{redis_url}"
+relay_id = "{relay_id}"
+coordination_lease_s = 2
+[providers.p]
+adapter = "openai"
+base_url = "{url}/v1"
+shared = true
+[providers.p.profile]
+lanes = 16
+queue_max = 64
+queue_timeout_s = 30
+run_timeout_s = 60
+{profile}
+"""
+
+
+async def three(nursery: trio.Nursery, tmp_path: Path, fake: Metered, redis: RedisServer,
+                profile: str = "") -> list[Served]:
+    out = []
+    for n in range(3):
+        (tmp_path / f"r{n}").mkdir(exist_ok=True)
+        out.append(await start_relay(nursery, shared(fake.base_url, redis.url, f"r{n}",
+                                                     profile), tmp_path / f"r{n}"))
+    return out
+
+
+def big(i: int) -> dict[str, Any]:
+    """About 5,000 tokens (a long conversation), answered in 20."""
+    return {"model": "p/m-out20", "max_tokens": 20,
+            "messages": [{"role": "user", "content": (prose(500, i) + " ") * 10}]}
+
+
+async def burst(relays: list[Served], n: int) -> list[httpx.Response]:
+    answers: list[httpx.Response] = []
+    async with httpx.AsyncClient(trust_env=False, timeout=60.0) as client:
+        async def one(i: int) -> None:
+            served = relays[i % len(relays)]
+            answers.append(await client.post(f"{served.url}/v1/chat/completions",
+                                             json=big(i)))
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(one, i)
+    return answers
+
+
+def records(served: Served, tmp_path: Path, n: int) -> list[dict[str, Any]]:
+    text = (tmp_path / f"r{n}" / "records.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line]
+
+
+async def test_three_relays_keep_one_configured_budget_together(
+        tmp_path: Path, redis: RedisServer) -> None:
+    async with trio.open_nursery() as nursery:
+        # 60,000 input tokens a minute (1,000 a second); no headers: the configured
+        # figure, counted on the server, is all the three relays know.
+        fake: Metered = await nursery.start(functools.partial(
+            serve_metered, Limits(rpm=6000, itpm=60_000, otpm=600_000), send_headers=False))
+        relays = await three(nursery, tmp_path, fake, redis, "itpm = 60000")
+        start = trio.current_time()
+        answers = await burst(relays, 14)  # ~70,000 tokens: ~10,000 over one minute's
+        took = trio.current_time() - start
+        assert [a.status_code for a in answers] == [200] * 14, [a.text[:300] for a in answers]
+        assert fake.rejected == []   # not one 429, though each relay alone was under it
+        over = sum(fake.prompts) - 60_000
+        assert took >= over / 1000 * 0.8  # they waited for the shared bucket to refill
+        waited = [rec for n in range(3) for rec in records(relays[n], tmp_path, n)
+                  if rec["token_wait_ms"]]
+        assert waited
+        nursery.cancel_scope.cancel()
+
+
+async def test_headers_seen_by_one_relay_budget_all_three(
+        tmp_path: Path, redis: RedisServer) -> None:
+    async with trio.open_nursery() as nursery:
+        fake: Metered = await nursery.start(functools.partial(
+            serve_metered, Limits(rpm=6000, itpm=60_000, otpm=600_000)))
+        relays = await three(nursery, tmp_path, fake, redis)  # no figure configured
+        async with httpx.AsyncClient(trust_env=False, timeout=60.0) as client:
+            for _ in range(3):  # only the first relay sees the provider's headers
+                r = await client.post(f"{relays[0].url}/v1/chat/completions", json={
+                    "model": "p/m-out5", "messages": [{"role": "user", "content": "hi"}]})
+                assert r.status_code == 200
+        answers = await burst(relays, 14)
+        assert [a.status_code for a in answers] == [200] * 14, [a.text[:300] for a in answers]
+        assert fake.rejected == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_hold_one_relay_heard_holds_the_others(
+        tmp_path: Path, redis: RedisServer) -> None:
+    async with trio.open_nursery() as nursery:
+        fake: Metered = await nursery.start(functools.partial(serve_metered, Limits()))
+        relays = await three(nursery, tmp_path, fake, redis)
+        lane = relays[0].relay.providers["p"].lane
+        assert isinstance(lane, SharedLane)
+        await lane.tokens.seen(RateLimits(hold_s=45.0, cause="retry-after: 45"))
+        async with httpx.AsyncClient(trust_env=False, timeout=60.0) as client:
+            r = await client.post(f"{relays[2].url}/v1/chat/completions", json={
+                "model": "p/m-out5", "messages": [{"role": "user", "content": "hi"}]})
+        # The hold outlasts the queue timeout (30 s): refused at once, told when.
+        assert r.status_code == 429, r.text
+        error = r.json()["error"]
+        assert error["code"] == "rate_limited"
+        assert "retry-after: 45" in error["message"]
+        assert 40 <= int(r.headers["retry-after"]) <= 45
+        assert [q for q in fake.requests if q.method == "POST"] == []   # not sent
+        nursery.cancel_scope.cancel()
