@@ -70,6 +70,24 @@ def test_the_password_from_the_environment_is_a_secret(tmp_path: Path) -> None:
     assert config.server.coordination_prefix == "relay"
 
 
+@pytest.mark.parametrize(("url", "secrets"), [
+    ("redis+sentinel://:primary-pass-1@h:1,h:2/lanes?sentinel_password=sentinel-pass-2",
+     ("primary-pass-1", "sentinel-pass-2")),
+    ("valkey+sentinel://h:1/lanes?password=primary-pass-3", ("primary-pass-3",)),
+    ("unix:///run/redis.sock?db=1&password=unix-pass-4", ("unix-pass-4",)),
+])
+def test_every_password_a_url_holds_is_a_secret(tmp_path: Path, url: str,
+                                                secrets: tuple[str, ...]) -> None:
+    # The Sentinels' own password, and one given as ``?password=``, are redacted too
+    # (SPEC E1), not only the URL as a whole and the password before its ``@``.
+    text = '[server]\ncoordination_url_env = "RC"\nrelay_id = "a"\n' + PROVIDER.format(
+        shared="true")
+    env = {"RC": url}
+    found = config_from(text, tmp_path, environ=env).secrets(env)
+    for secret in secrets:
+        assert secret in found, (secret, found)
+
+
 def test_names_must_be_plain(tmp_path: Path) -> None:
     text = ('[server]\ncoordination_url = "redis://h:1/0"\nrelay_id = "a b"\n'
             'coordination_prefix = ""\n' + PROVIDER.format(shared="false"))

@@ -21,6 +21,8 @@ from relay.vocab.profile import (
     positive,
 )
 
+from .coordination_url import parse_url
+
 Registry = Mapping[str, "type[Adapter]"]
 
 
@@ -136,7 +138,7 @@ class Config:
         values += [env.get(name) or "" for name in names]
         url = self.coordination_url(env)
         if url:  # SPEC E1: the coordination password is a secret too
-            values += [url, _url_password(url)]
+            values += [url, *_url_passwords(url)]
         return tuple(dict.fromkeys(value for value in values if value))
 
     def coordination_url(self, environ: Mapping[str, str] | None = None) -> str | None:
@@ -158,8 +160,14 @@ class Config:
         return tuple(name for name, p in self.providers.items() if p.shared)
 
 
-def _url_password(url: str) -> str:
+def _url_passwords(url: str) -> tuple[str, ...]:
+    """Every password ``url`` holds: the server's (before the ``@`` or ``?password=``) and
+    a Sentinel URL's ``?sentinel_password=``."""
     try:
-        return urllib.parse.unquote(urllib.parse.urlsplit(url).password or "")
-    except ValueError:
-        return ""
+        target = parse_url(url)
+    except ValueError:  # (refused at load; the URL as a whole is still redacted)
+        try:
+            return (urllib.parse.unquote(urllib.parse.urlsplit(url).password or ""),)
+        except ValueError:
+            return ()
+    return tuple(p for p in (target.password, target.sentinel_password) if p)
