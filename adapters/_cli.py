@@ -67,6 +67,8 @@ logger = logging.getLogger(__name__)
 MODES = ("oneshot", "session")
 # SPEC A1a: a tool answers text; it cannot sample, bound, stop or call tools as asked.
 # Hints are dropped and reported; what would change the answer's meaning is refused.
+# Tools count as refused only when a call is required: tools merely offered (AUTO or
+# no choice) are dropped and reported like a hint (amended A1a, `Column.treat`).
 CLI_FIELDS = column(translated=("stream_options",),
                     advisory=(*SAMPLING, *EFFORT, *ACCOUNTING, *LIMITS),
                     refused=(*TOOLS, *OUTPUT))

@@ -54,7 +54,8 @@ class FakeAdapter(Adapter):
     Settings = FakeSettings
     # A call ending in an assistant message continues it.
     capabilities = Capabilities(prefill=True)
-    # It bounds and stops its answer; it samples nothing (SPEC A1a).
+    # It bounds and stops its answer; it samples nothing (SPEC A1a). Tools are refused
+    # only when a call is required; offered tools are dropped and reported.
     fields = column(translated=(*LIMITS, "stop", "stream_options"),
                     advisory=(*SAMPLING, *EFFORT, *ACCOUNTING),
                     refused=(*TOOLS, *(f for f in OUTPUT if f != "stop")))
