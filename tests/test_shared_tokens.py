@@ -13,7 +13,7 @@ import httpx
 import trio
 from conftest import start_relay
 from fake_metered import Limits, Metered, prose, serve_metered
-from redis_server import RedisServer, redis_fixture  # noqa: F401  (the fixture)
+from redis_server import RedisServer, redis_shared_fixture  # noqa: F401  (the fixture: default and ACL user)
 
 from relay import Served
 from relay.engine.shared_lane import SharedLane
