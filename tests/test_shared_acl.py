@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from conftest import start_relay
+from conftest import start_relay, wait_for
 from redis_server import ACL_PASSWORD, RedisServer, documented_acl, require_redis
 from shared_helpers import ROOT, body, shared_config
 from upstream import FakeUpstream
@@ -117,6 +117,40 @@ async def test_a_user_with_only_the_required_rights_serves(
                 assert r.status_code == 200, r.text
             assert any("maxmemory-policy could not be read" in r.getMessage()
                        for r in caplog.records)
+            nursery.cancel_scope.cancel()
+    finally:
+        redis.stop()
+
+
+async def test_a_user_refused_ping_is_named_and_its_subscription_does_not_flap(
+        tmp_path: Path, upstream: FakeUpstream, client: httpx.AsyncClient,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The documented rights without ``+ping``: `relay config check` names it, and the
+    subscription's health check takes the server's refusal as the answer it is (the
+    connection is alive) instead of subscribing again at every ping."""
+    rights = " ".join(w for w in documented_acl().split() if w != "+ping")
+    redis = server(tmp_path)
+    redis.use_acl_user(rights)
+    redis.start()
+    try:
+        code, out = await config_check(tmp_path, shared_config(upstream, redis.url, "r"))
+        assert code == 0, out
+        assert "WARNING coordination server: refused ping" in out, out
+        async with trio.open_nursery() as nursery:
+            served = await start_relay(nursery, shared_config(
+                upstream, redis.url, "r", lease_s=2.0), tmp_path)
+            coord = served.relay.coordinator
+            assert coord is not None
+
+            def answered() -> int:
+                current = coord._subscription
+                return 0 if current is None else current[0].pongs
+
+            await wait_for(lambda: answered() >= 3, limit_s=10 * coord.ping_s)
+            assert coord.subscription_renewals == 0
+            assert not [r for r in caplog.records if "did not answer a ping" in r.getMessage()]
+            r = await client.post(f"{served.url}/v1/chat/completions", json=body("up/m1"))
+            assert r.status_code == 200, r.text
             nursery.cancel_scope.cancel()
     finally:
         redis.stop()

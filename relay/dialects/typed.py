@@ -209,7 +209,10 @@ class Arr(Spec):
         plain = item.plain
         for i, entry in enumerate(value):
             if type(entry) not in plain:
-                item.run(entry, (path, i), problems)
+                if entry is None:  # an entry of an array is never null, whatever its spec
+                    problems.append(((path, i), f"must be {item.want}, not null"))
+                else:
+                    item.run(entry, (path, i), problems)
 
 
 def _plural(want: str) -> str:

@@ -152,6 +152,10 @@ async def _probe(client: resp.Client, prefix: str, lines: list[str]) -> None:
             raise
         refused.append("eval/evalsha")
     try:
+        await client.execute("PING")   # (the subscription's health check sends it)
+    except resp.RespError:
+        refused.append("ping")
+    try:
         async with client.subscribe(f"{prefix}:wake:relay-config-check"):
             pass
     except resp.RespError:

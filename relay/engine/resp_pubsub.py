@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import trio
 
-from .resp_wire import ConnectionLost, Reader, encode
+from .resp_wire import ConnectionLost, Reader, RespError, encode
 
 __all__ = ["Subscription"]
 
@@ -31,7 +31,10 @@ class Subscription:
                 raise ConnectionLost(f"reading the subscription: {exc}") from exc
             if isinstance(item, list) and len(item) == 3 and item[0] == "message":
                 return str(item[2])
-            if isinstance(item, list) and item and item[0] == "pong":
+            # A pong; or an error reply, which only a PING gets here (a user refused
+            # it): the server answered, so the connection is alive all the same.
+            if ((isinstance(item, list) and item and item[0] == "pong")
+                    or isinstance(item, RespError)):
                 self.pongs += 1
                 self._pong.set()
                 self._pong = trio.Event()
