@@ -93,8 +93,16 @@ async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
 
 def _shared_limits_seen(lane: SharedLane, attempt: Attempt, limits: RateLimits) -> None:
     began = trio.current_time() - attempt.started
-    lane._coord.start_soon(functools.partial(lane.tokens.seen, limits, ok=True,
-                                             began_s_ago=began))
+    lane._coord.start_soon(functools.partial(_tell_shared, lane, limits, began))
+
+
+async def _tell_shared(lane: SharedLane, limits: RateLimits, began_s_ago: float) -> None:
+    """Move the shared budgets to an answer's headers, in the coordinator's nursery: a
+    server that cannot be reached is logged, never the coordinator's (and relay's) crash."""
+    try:
+        await lane.tokens.seen(limits, ok=True, began_s_ago=began_s_ago)
+    except RelayError as exc:
+        logger.warning("shared token budget of %s not updated: %s", lane.name, exc.message)
 
 
 async def _shielded(fn: Callable[[], Any], lane: SharedLane) -> None:
