@@ -25,62 +25,32 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
-import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import netns_stage
 import pytest
 
-HERE = Path(__file__).parent
-ROOT = HERE.parent
 PINNED = "@openai/codex 0.171.0"
-LISTENING = re.compile(r"relay listening on (http://\S+:\d+) ")
 KEY = "sk-ant-test"  # tests/fake_anthropic.py's
 
 
-def _why_not() -> str | None:
-    if not sys.platform.startswith("linux") or os.geteuid() != 0:
-        return "needs root on Linux (a network namespace with only loopback)"
-    if shutil.which("ip") is None:
-        return "needs `ip` (iproute2) for `ip netns`; .ci/install-clis.sh installs it"
-    if shutil.which("codex") is None:
-        return f"`codex` is not installed (npm install -g {PINNED.replace(' ', '@')}; " \
-            ".ci/install-clis.sh does it)"
-    return None
+class Stage(netns_stage.Stage):
+    """The namespace, with tests/agent_fakes.py and ``relay serve`` running inside it."""
 
-
-class Stage:
-    """The namespace, with the fake upstreams and ``relay serve`` running inside it."""
+    tool = "codex"
+    fakes = "agent_fakes.py"
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.name = f"relaycodex-{os.getpid()}"
-        self.log = root / "upstream-requests.jsonl"
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.url = ""
+        super().__init__(root)
         self.work = root
 
-    def run_in(self, argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(["ip", "netns", "exec", self.name, *argv],
-                                stdin=subprocess.DEVNULL, start_new_session=True, **kw)
-        self.procs.append(proc)
-        return proc
-
-    def start(self) -> None:
-        subprocess.run(["ip", "netns", "add", self.name], check=True, capture_output=True)
-        subprocess.run(["ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up"],
-                       check=True, capture_output=True)
-        ports_file = self.root / "ports.json"
-        fakes = self.run_in([sys.executable, str(HERE / "agent_fakes.py"), "--ports",
-                             str(ports_file), "--log", str(self.log)])
-        ports = json.loads(_wait_file(ports_file, fakes))
-        (self.root / "relay.toml").write_text(f"""
+    def config(self, ports: dict[str, int]) -> str:
+        return f"""
 [server]
 records = "records.jsonl"
 [providers.up]
@@ -110,74 +80,15 @@ run_timeout_s = 60
 [providers.fake]                    # the packaged default's own
 adapter = "fake"
 models = ["echo"]
-""")
-        env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
-        env.update(PYTHONPATH=str(ROOT), XDG_STATE_HOME=str(self.root / "state"),
-                   FAKE_ANTHROPIC_KEY=KEY)
-        with (self.root / "relay.err").open("wb") as err:  # the child has its own copy
-            relay = self.run_in([sys.executable, "-m", "relay", "serve", "--config",
-                                 str(self.root / "relay.toml"), "--port", "0"],
-                                cwd=self.root, env=env, stdout=subprocess.DEVNULL,
-                                stderr=err)
-        text = _wait_file(self.root / "relay.err", relay, LISTENING)
-        match = LISTENING.search(text)
-        assert match is not None
-        self.url = match[1]
+"""
 
-    def stop(self) -> None:
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        subprocess.run(["ip", "netns", "delete", self.name], capture_output=True)
-
-    def requests(self) -> list[dict[str, Any]]:
-        if not self.log.exists():
-            return []
-        return [json.loads(line) for line in self.log.read_text().splitlines() if line]
-
-    def records(self) -> list[dict[str, Any]]:
-        path = self.root / "records.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line]
-
-
-def _wait_file(path: Path, proc: subprocess.Popen[bytes],
-               pattern: re.Pattern[str] | None = None) -> str:
-    """The file's text once it exists (and matches ``pattern``): bounded, 20 s."""
-    for _ in range(2000):
-        if path.exists():
-            text = path.read_text(errors="replace")
-            if pattern is None or pattern.search(text):
-                return text
-        try:
-            proc.wait(timeout=0.01)
-            raise RuntimeError(f"{proc.args} exited at start: "
-                               f"{path.read_text() if path.exists() else ''}")
-        except subprocess.TimeoutExpired:
-            continue
-    raise RuntimeError(f"{proc.args} did not start")
+    def env(self) -> dict[str, str]:
+        return {"FAKE_ANTHROPIC_KEY": KEY}
 
 
 @pytest.fixture(scope="module")
 def stage() -> Iterator[Stage]:
-    why = _why_not()
-    if why:
-        pytest.skip(why)
-    root = Path(tempfile.mkdtemp(prefix="relay-codex-"))
-    st = Stage(root)
-    try:
-        st.start()
-    except (subprocess.CalledProcessError, RuntimeError, OSError) as exc:
-        st.stop()
-        shutil.rmtree(root, ignore_errors=True)
-        pytest.skip(f"cannot stage relay and codex in a loopback-only namespace: {exc}")
-    yield st
-    st.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    yield from netns_stage.open_stage(Stage, PINNED, "codex")
 
 
 def run_codex(stage: Stage, model: str, prompt: str, *, check: bool = True,

@@ -28,23 +28,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
-import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import netns_stage
 import pytest
 from cli_procs import FAKE_CLI
 
-HERE = Path(__file__).parent
-ROOT = HERE.parent
 PINNED = "@google/gemini-cli 0.61.0"
-LISTENING = re.compile(r"relay listening on (http://\S+:\d+) ")
 ANTHROPIC_KEY = "sk-ant-test"  # tests/fake_anthropic.py's
 GEMINI_KEY = "AIza-test"  # tests/fake_gemini.py's
 # The CLI's settings: the API-key auth, one attempt (relay has done the retrying), and
@@ -56,43 +51,18 @@ SETTINGS = {"security": {"auth": {"selectedType": "gemini-api-key"}},
             "privacy": {"usageStatisticsEnabled": False}}
 
 
-def _why_not() -> str | None:
-    if not sys.platform.startswith("linux") or os.geteuid() != 0:
-        return "needs root on Linux (a network namespace with only loopback)"
-    if shutil.which("ip") is None:
-        return "needs `ip` (iproute2) for `ip netns`; .ci/install-clis.sh installs it"
-    if shutil.which("gemini") is None:
-        return f"`gemini` is not installed (npm install -g {PINNED.replace(' ', '@')}; " \
-            ".ci/install-clis.sh does it)"
-    return None
+class Stage(netns_stage.Stage):
+    """The namespace, with tests/gemini_agent_fakes.py and ``relay serve`` inside it."""
 
-
-class Stage:
-    """The namespace, with the fake upstreams and ``relay serve`` running inside it."""
+    tool = "gemini"
+    fakes = "gemini_agent_fakes.py"
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.name = f"relaygemini-{os.getpid()}"
-        self.log = root / "upstream-requests.jsonl"
+        super().__init__(root)
         self.cli_log = root / "cli.jsonl"
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.url = ""
 
-    def run_in(self, argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(["ip", "netns", "exec", self.name, *argv],
-                                stdin=subprocess.DEVNULL, start_new_session=True, **kw)
-        self.procs.append(proc)
-        return proc
-
-    def start(self) -> None:
-        subprocess.run(["ip", "netns", "add", self.name], check=True, capture_output=True)
-        subprocess.run(["ip", "netns", "exec", self.name, "ip", "link", "set", "lo", "up"],
-                       check=True, capture_output=True)
-        ports_file = self.root / "ports.json"
-        fakes = self.run_in([sys.executable, str(HERE / "gemini_agent_fakes.py"), "--ports",
-                             str(ports_file), "--log", str(self.log)])
-        ports = json.loads(_wait_file(ports_file, fakes))
-        (self.root / "relay.toml").write_text(f"""
+    def config(self, ports: dict[str, int]) -> str:
+        return f"""
 [server]
 records = "records.jsonl"
 [providers.fake]
@@ -127,75 +97,15 @@ primary = "up/agent"
 adapter = "claude-cli"
 command = "{FAKE_CLI / 'claude'}"
 env = {{ FAKE_CLI_LOG = "{self.cli_log}" }}
-""")
-        env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
-        env.update(PYTHONPATH=str(ROOT), XDG_STATE_HOME=str(self.root / "state"),
-                   FAKE_ANTHROPIC_KEY=ANTHROPIC_KEY, FAKE_GEMINI_KEY=GEMINI_KEY)
-        with (self.root / "relay.err").open("wb") as err:  # the child has its own copy
-            relay = self.run_in([sys.executable, "-m", "relay", "serve", "--config",
-                                 str(self.root / "relay.toml"), "--port", "0"],
-                                cwd=self.root, env=env, stdout=subprocess.DEVNULL,
-                                stderr=err)
-        text = _wait_file(self.root / "relay.err", relay, LISTENING)
-        match = LISTENING.search(text)
-        assert match is not None
-        self.url = match[1]
+"""
 
-    def stop(self) -> None:
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        subprocess.run(["ip", "netns", "delete", self.name], capture_output=True)
-
-    def requests(self) -> list[dict[str, Any]]:
-        if not self.log.exists():
-            return []
-        return [json.loads(line) for line in self.log.read_text().splitlines() if line]
-
-    def records(self) -> list[dict[str, Any]]:
-        path = self.root / "records.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line]
-
-
-def _wait_file(path: Path, proc: subprocess.Popen[bytes],
-               pattern: re.Pattern[str] | None = None) -> str:
-    """The file's text once it exists (and matches ``pattern``): bounded, 20 s."""
-    for _ in range(2000):
-        if path.exists():
-            text = path.read_text(errors="replace")
-            if pattern is None or pattern.search(text):
-                return text
-        try:
-            proc.wait(timeout=0.01)
-            raise RuntimeError(f"{proc.args} exited at start: "
-                               f"{path.read_text() if path.exists() else ''}")
-        except subprocess.TimeoutExpired:
-            continue
-    raise RuntimeError(f"{proc.args} did not start")
+    def env(self) -> dict[str, str]:
+        return {"FAKE_ANTHROPIC_KEY": ANTHROPIC_KEY, "FAKE_GEMINI_KEY": GEMINI_KEY}
 
 
 @pytest.fixture(scope="module")
 def stage() -> Iterator[Stage]:
-    why = _why_not()
-    if why:
-        pytest.skip(why)
-    root = Path(tempfile.mkdtemp(prefix="relay-gemini-"))
-    st = Stage(root)
-    try:
-        st.start()
-    except (subprocess.CalledProcessError, RuntimeError, OSError) as exc:
-        st.stop()
-        shutil.rmtree(root, ignore_errors=True)
-        pytest.skip(f"cannot stage relay and the Gemini CLI in a loopback-only namespace: "
-                    f"{exc}")
-    yield st
-    st.stop()
-    shutil.rmtree(root, ignore_errors=True)
+    yield from netns_stage.open_stage(Stage, PINNED, "the Gemini CLI")
 
 
 def run_gemini(stage: Stage, work: Path, model: str | None, prompt: str, *,

@@ -44,7 +44,7 @@ import trio
 
 from relay.vocab.errors import ConfigError, RelayError
 
-from . import coordination_check, resp, shared_scripts
+from . import coordination_check, resp, shared_budget, shared_scripts
 
 
 class CoordinatedLane(Protocol):
@@ -98,6 +98,8 @@ class Coordinator:
         self._client: resp.Client | None = None
         self._scripts = {name: resp.Script(getattr(shared_scripts, name))
                          for name in ("SYNC", "ACQUIRE", "LEAVE", "RELEASE", "PUMP", "CLAIM")}
+        self._scripts.update((name, resp.Script(source))  # the token budgets' (SPEC L12)
+                             for name, source in shared_budget.SCRIPTS.items())
         self._renew_now = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._calls = 0  # commands on their way (a stop lets them land first)

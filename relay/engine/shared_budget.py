@@ -29,7 +29,6 @@ import trio
 from relay.vocab.errors import RelayError
 from relay.vocab.limits import RateLimits
 
-from . import resp
 from .budget import Need, too_large
 
 if TYPE_CHECKING:
@@ -172,11 +171,7 @@ class SharedBudget:
         self.lane = lane
         coord = lane._coord
         self._keys = ["{" + f"{coord.prefix}:{lane.name}" + "}:b"]
-        # The scripts are the coordinator's to run; these three are registered beside its
-        # own (a one-line addition to its list when the two meet).
-        scripts = coord._scripts
-        for name, source in SCRIPTS.items():
-            scripts.setdefault(name, resp.Script(source))
+        # (its three scripts, `SCRIPTS`, are the coordinator's to run, beside its own)
 
     def _configured(self) -> list[str]:
         p = self.lane._local
