@@ -13,7 +13,7 @@ task wakes at every virtual instant at which anything happens, waits until every
 task is blocked (the state is settled for that instant) and checks:
 
 - ``idle``: a free slot never idles while someone waits and the pacer allows a start (the
-  pacer as the profile defines it: 60 / rpm after the last start) — and, with token
+  pacer as SPEC L9 defines it: fewer than rpm starts in the last 60 s; `window`) — and, with token
   budgets (``tokens=True``, SPEC L12), while the budget has room for the head's need;
 - ``leak``: the lane's running/queued equal the clients inside a slot / waiting (a grant
   that races a cancel leaks no slot, a waiter that left is not counted);
@@ -23,7 +23,7 @@ task is blocked (the state is settled for that instant) and checks:
 And at each event:
 
 - ``capacity``: a start never makes running exceed the lanes;
-- ``pacer``: two starts are never closer than 60 / rpm;
+- ``pacer``: no 60 s ever hold more than rpm starts (`window`);
 - ``budget`` (``tokens=True``): a start never takes more input tokens than the fuzz's own
   model of the bucket holds (``itpm``, refilled continuously, settled when each request
   ends to a random use of what it reserved);
@@ -41,7 +41,8 @@ Real time (``slack`` > 0, `run_seed_real_time`): for lanes whose state lives els
 same run plays in real time, its durations scaled by ``scale``, and the checker samples
 every ``slack / 4`` s instead of stepping through instants. Then a rule holds within
 ``slack``: a free slot may idle while someone waits for at most ``slack`` (the hand-off
-latency), timeouts come within ``slack``, two starts are at least ``gap - slack`` apart,
+latency), timeouts come within ``slack``, no window shortened by ``slack`` holds more
+than rpm starts,
 FIFO within a class is judged between arrivals more than ``slack`` apart; the lanes'
 numbers are only compared with the model at the end (they are the server's, as of the
 last reply), and the ``queue_max`` rules are left to the assembled tests.
@@ -209,6 +210,13 @@ class _Client:
         return (PRIORITIES[self.priority], self.order)
 
 
+def window(rpm: float) -> tuple[int, float]:
+    """SPEC L9's pacer, as the fuzz reads it: at most ``n`` starts in any ``span`` s —
+    ``rpm`` in 60 s, and a fraction read as its rate (``n = max(1, floor(rpm))``)."""
+    n = max(1, math.floor(rpm))
+    return n, 60.0 * n / rpm
+
+
 def _profile_str(p: Profile) -> str:
     return (f"lanes={p.lanes} queue_max={p.queue_max} queue_timeout_s={p.queue_timeout_s:g} "
             f"rpm={p.rpm:g}")
@@ -231,7 +239,7 @@ class _Fuzz:
         self.grid = grid
         self.clients: list[_Client] = []
         self.order = 0
-        self.last_start = -math.inf
+        self.starts: list[float] = []  # when each request started
         self.idle_watchers = 0
         # A reload in the same tick as a grant decided before it: that start may still
         # follow the profile before the reload.
@@ -259,11 +267,17 @@ class _Fuzz:
     def running(self) -> list[_Client]:
         return [c for c in self.clients if c.running]
 
-    def gap(self) -> float:
-        return 60.0 / self.profile.rpm if self.profile.rpm > 0 else 0.0
+    def in_window(self, rpm: float, now: float, shorter: float = 0.0) -> tuple[int, int]:
+        """``(starts, n)``: the starts in the window that ends ``now`` (``shorter`` by
+        that much), and how many the pacer allows in it."""
+        n, span = window(rpm)
+        return sum(1 for t in self.starts if t > now - span + shorter), n
 
     def pacer_allows(self, now: float) -> bool:
-        return self.profile.rpm <= 0 or now >= self.last_start + 60.0 / self.profile.rpm
+        if self.profile.rpm <= 0:
+            return True
+        made, n = self.in_window(self.profile.rpm, now)
+        return made < n
 
     def bucket(self, now: float) -> float:
         """The model's input bucket now (continuous refill, at most ``itpm``)."""
@@ -289,7 +303,7 @@ class _Fuzz:
                       f"{self.itpm:g}, head needs {head.tokens if head else 0}")
         return (f"lane running={stats.running}/{stats.capacity} queued={stats.queued}; "
                 f"model running={len(self.running())} waiting=[{waiting}]; last start="
-                f"{self.last_start:g}; {_profile_str(self.profile)}{tokens}")
+                f"{self.starts[-1] if self.starts else '-'}; {_profile_str(self.profile)}{tokens}")
 
     # --- one client ---------------------------------------------------------------------
     def _queued(self, c: _Client) -> None:
@@ -313,18 +327,20 @@ class _Fuzz:
         if c.queued_at is not None and c.queued_at < now:
             self.report.count("started after waiting")
         running = len(self.running())
-        lanes, gap = self.profile.lanes, self.gap()
+        self.starts.append(now)
+        lanes, rpms = self.profile.lanes, [self.profile.rpm]
         if now - self.reloaded_at <= (self.eps if self.real_time else 0.0):
             old = self.before_reload
             lanes = max(lanes, old.lanes)
-            gap = min(gap, 60.0 / old.rpm if old.rpm > 0 else 0.0)
+            rpms.append(old.rpm)
         if running > lanes:
             self.fail("capacity", f"#{c.n} started with {running} running > lanes "
                       f"{self.profile.lanes}; {self.state()}")
-        if gap > 0 and now - self.last_start < gap - self.eps:
-            self.fail("pacer", f"#{c.n} started {now - self.last_start:g} s after the last "
-                      f"start, the pacer allows one per {self.gap():g} s; {self.state()}")
-        self.last_start = now
+        windows = [self.in_window(rpm, now, self.eps) for rpm in rpms if rpm > 0]
+        if len(windows) == len(rpms) and all(made > n for made, n in windows):
+            made, n = windows[0]
+            self.fail("pacer", f"#{c.n} made {made} starts in a window that allows {n} "
+                      f"(rpm {self.profile.rpm:g}); {self.state()}")
         if self.itpm:
             if self.bucket(now) < c.tokens - 1e-6:
                 self.fail("budget", f"#{c.n} started needing {c.tokens} input tokens with "
@@ -531,7 +547,10 @@ def _random_profile(rng: random.Random, grid: float | None, scale: float = 1.0) 
     timeout = rng.choice([1.0, 2.0, 5.0, 10.0, 30.0]) * scale
     return Profile(lanes=rng.randint(1, 4), queue_max=rng.choice([0, 1, 2, 4, 8, 16, 64]),
                    queue_timeout_s=timeout, run_timeout_s=600.0,
-                   rpm=rng.choice([0.0, 0.0, 6.0, 12.0, 30.0, 60.0, 120.0]) / scale)
+                   # (a window of few starts binds often: 0.5 and 1 are one start a
+                   # window, as the old one-start-every-60/rpm-s pacer was)
+                   rpm=rng.choice([0.0, 0.0, 0.5, 1.0, 2.0, 3.0, 6.0, 12.0, 60.0, 120.0])
+                   / scale)
 
 
 async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,

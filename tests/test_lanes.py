@@ -98,9 +98,9 @@ async def test_priority_order_and_fifo_within_a_class(nursery: trio.Nursery,
     assert ln.statistics().running == 0 and ln.statistics().queued == 0
 
 
-async def test_pacer_spaces_starts_and_counts_as_queue_time(
+async def test_pacer_allows_rpm_starts_a_minute_and_its_wait_is_queue_time(
         nursery: trio.Nursery, autojump_clock: trio.abc.Clock) -> None:
-    ln = lane(lanes=10, rpm=60.0, queue_timeout_s=2.5)   # one start per second
+    ln = lane(lanes=10, rpm=3.0, queue_timeout_s=2.5)    # three starts in any minute
     starts: list[float] = []
     failures: list[str] = []
 
@@ -116,9 +116,31 @@ async def test_pacer_spaces_starts_and_counts_as_queue_time(
     for _ in range(5):
         nursery.start_soon(one)
     await trio.sleep(10)
-    assert [s - t0 for s in starts] == [0.0, 1.0, 2.0]    # spaced by 60/rpm
+    assert [s - t0 for s in starts] == [0.0, 0.0, 0.0]    # a burst within rpm: at once
     assert failures == ["provider_queue_timeout"] * 2     # pacing wait is queue time
     assert ln.statistics().running == 0 and ln.statistics().queued == 0
+
+
+async def test_the_pacer_is_a_sliding_minute(
+        nursery: trio.Nursery, autojump_clock: trio.abc.Clock) -> None:
+    """At most rpm starts in any 60 s, however they fall: not one every 60 / rpm s, and
+    not a fixed minute that lets 2 x rpm through around its edge."""
+    ln = lane(lanes=10, rpm=3.0, queue_timeout_s=600)
+    t0 = trio.current_time()
+    starts: list[float] = []
+
+    async def one() -> None:
+        async with ln.slot():
+            starts.append(trio.current_time() - t0)
+
+    nursery.start_soon(one)                               # t=0
+    await trio.sleep(50)
+    for _ in range(5):                                    # t=50: two now, then one at 60
+        nursery.start_soon(one)                           # (the start at 0 leaves the
+    await trio.sleep(200)                                 # window), two at 110
+    assert starts == [0.0, 50.0, 50.0, 60.0, 110.0, 110.0]
+    for t in starts:  # no 60 s window holds more than three
+        assert sum(1 for u in starts if t <= u < t + 60) <= 3
 
 
 async def test_pacer_wait_is_cancellable(nursery: trio.Nursery,
@@ -231,13 +253,13 @@ async def test_a_paced_free_slot_is_not_left_idle(nursery: trio.Nursery,
     # Found in review: a waiter that began waiting after the pacer's last start time had
     # passed slept without a deadline; when a slot then freed while the pacer held starts
     # back, nobody woke it at the pacer's next start, and the slot sat idle.
-    ln = lane(lanes=2, rpm=6.0, queue_timeout_s=100)   # one start per 10 s
+    ln = lane(lanes=2, rpm=1.0, queue_timeout_s=600)   # one start in any 60 s
     release_a, release_b, release_c = trio.Event(), trio.Event(), trio.Event()
     t0 = trio.current_time()
     await nursery.start(hold, ln, release_a)           # starts at 0
-    await trio.sleep(10)
-    await nursery.start(hold, ln, release_b)           # starts at 10: both slots busy
-    await trio.sleep(11)                               # t = 21: the pacer would allow one
+    await trio.sleep(60)
+    await nursery.start(hold, ln, release_b)           # starts at 60: both slots busy
+    await trio.sleep(66)                               # t = 126: the pacer would allow one
     started: list[float] = []
 
     async def waiter() -> None:
@@ -248,11 +270,11 @@ async def test_a_paced_free_slot_is_not_left_idle(nursery: trio.Nursery,
     await trio.testing.wait_all_tasks_blocked()
     nursery.start_soon(functools.partial(hold, ln, release_c, priority="interactive"))
     await trio.testing.wait_all_tasks_blocked()
-    release_a.set()                                    # t = 21: the interactive one starts
-    await trio.sleep(1)
-    release_b.set()                                    # t = 22: a slot frees; pacer: at 31
-    await trio.sleep(20)
-    assert started == [31.0]                           # not left idle until someone leaves
+    release_a.set()                                    # t = 126: the interactive one starts
+    await trio.sleep(6)
+    release_b.set()                                    # t = 132: a slot frees; pacer: at 186
+    await trio.sleep(120)
+    assert started == [186.0]                          # not left idle until someone leaves
     release_c.set()
 
 
@@ -261,12 +283,12 @@ async def test_a_paced_free_slot_is_handed_on_when_the_woken_head_leaves(
     # Found by the lane fuzz: a slot freed before the pacer's next start wakes only the
     # head of the queue, to sleep until that start. When the head then left (client gone,
     # or its queue timeout), nobody else was woken: D below, waiting without a deadline,
-    # failed provider_queue_timeout at t=41 with running=0 instead of starting at t=22.
-    ln = lane(lanes=1, rpm=6.0, queue_timeout_s=30)    # one start per 10 s
+    # failed provider_queue_timeout at t=246 with running=0 instead of starting at t=132.
+    ln = lane(lanes=1, rpm=1.0, queue_timeout_s=180)   # one start in any 60 s
     t0 = trio.current_time()
     release_a, release_h = trio.Event(), trio.Event()
-    await nursery.start(hold, ln, release_a)           # A starts at 0: next start at 10
-    await trio.sleep(11)
+    await nursery.start(hold, ln, release_a)           # A starts at 0: next start at 60
+    await trio.sleep(66)
     outcome: dict[str, float | str] = {}
 
     async def waiter(name: str, priority: str, scope: trio.CancelScope) -> None:
@@ -277,21 +299,21 @@ async def test_a_paced_free_slot_is_handed_on_when_the_woken_head_leaves(
             except RelayError as exc:
                 outcome[name] = f"{exc.reason} at {trio.current_time() - t0:g}"
 
-    nursery.start_soon(waiter, "D", "normal", trio.CancelScope())   # t=11: no pacer wait
+    nursery.start_soon(waiter, "D", "normal", trio.CancelScope())   # t=66: no pacer wait
     await trio.testing.wait_all_tasks_blocked()
     nursery.start_soon(functools.partial(hold, ln, release_h, priority="interactive"))
     await trio.testing.wait_all_tasks_blocked()
     x_scope = trio.CancelScope()
     nursery.start_soon(waiter, "X", "interactive", x_scope)         # ahead of D
     await trio.testing.wait_all_tasks_blocked()
-    await trio.sleep(1)
-    release_a.set()            # t=12: H starts (the pacer allows); next start at 22
-    await trio.sleep(1)
-    release_h.set()            # t=13: a free slot, paced: X, the head, waits for t=22
-    await trio.sleep(1)
-    x_scope.cancel()           # t=14: X's client leaves
-    await trio.sleep(40)
-    assert outcome == {"D": 22.0}
+    await trio.sleep(6)
+    release_a.set()            # t=72: H starts (the pacer allows); next start at 132
+    await trio.sleep(6)
+    release_h.set()            # t=78: a free slot, paced: X, the head, waits for t=132
+    await trio.sleep(6)
+    x_scope.cancel()           # t=84: X's client leaves
+    await trio.sleep(240)
+    assert outcome == {"D": 132.0}
     assert (ln.statistics().running, ln.statistics().queued) == (0, 0)
 
 
@@ -300,7 +322,7 @@ async def test_a_grant_handed_straight_back_is_not_a_paced_start(
     # Found by the lane fuzz: a waiter cancelled in the very tick it was granted a slot
     # gave the slot back, but the pacer counted its start, so the next waiter sat beside
     # the free slot for a whole pacer interval.
-    ln = lane(lanes=1, rpm=6.0, queue_timeout_s=100)   # one start per 10 s
+    ln = lane(lanes=1, rpm=1.0, queue_timeout_s=600)   # one start in any 60 s
     t0 = trio.current_time()
     started: list[float] = []
     first_scope = trio.CancelScope()
@@ -315,10 +337,10 @@ async def test_a_grant_handed_straight_back_is_not_a_paced_start(
         await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(waiter, trio.CancelScope())
         await trio.testing.wait_all_tasks_blocked()
-        await trio.sleep(12)
+        await trio.sleep(72)
         first_scope.cancel()   # in the same tick as the release below: granted, handed back
-    await trio.sleep(30)
-    assert started == [12.0]                           # not 22
+    await trio.sleep(180)
+    assert started == [72.0]                           # not 132
     assert (ln.statistics().running, ln.statistics().queued) == (0, 0)
 
 
@@ -345,16 +367,16 @@ async def test_a_reloaded_rpm_applies_to_the_next_start(
     await trio.testing.wait_all_tasks_blocked()
     assert started == [0.0, 2.0]
     ln.update_profile(Profile(lanes=2, queue_max=8, queue_timeout_s=100, run_timeout_s=60,
-                              rpm=6.0))                  # one start per 10 s, from t=2
+                              rpm=2.0))                  # two in any minute: 0 and 2 count
     await trio.sleep(1)
     nursery.start_soon(one)
-    await trio.sleep(20)
-    assert started == [0.0, 2.0, 12.0]
+    await trio.sleep(90)
+    assert started == [0.0, 2.0, 60.0]
 
 
 async def test_wait_idle_returns_at_once_when_idle_and_when_the_last_one_leaves(
         nursery: trio.Nursery, autojump_clock: trio.abc.Clock) -> None:
-    ln = lane(lanes=1, rpm=6.0, queue_timeout_s=5.0)
+    ln = lane(lanes=1, rpm=1.0, queue_timeout_s=5.0)
     t0 = trio.current_time()
     await ln.wait_idle()
     assert trio.current_time() == t0                     # idle: at once

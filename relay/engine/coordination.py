@@ -129,7 +129,8 @@ class Coordinator:
 
     def keys(self, lane: str) -> list[str]:
         base = "{" + f"{self.prefix}:{lane}" + "}"
-        return [f"{base}:h", f"{base}:w", f"{base}:wx", f"{base}:m", f"{base}:r"]
+        return [f"{base}:h", f"{base}:w", f"{base}:wx", f"{base}:m", f"{base}:r",
+                f"{base}:s"]
 
     def renew_soon(self) -> None:
         self._renew_now.set()

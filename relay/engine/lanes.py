@@ -7,6 +7,11 @@ to the next waiter (no barging), and only when the pacer allows a start (SPEC L9
 waiter itself sleeps until the pacer's next start time, so the wait counts as queue time,
 is cancellable, and no slot is taken while it cannot be used.
 
+The pacer is a sliding window: at most ``rpm`` starts in any 60 s (`Pacer`). A burst
+below ``rpm`` starts at once — as a provider's own request limit allows it (a continuous
+bucket of ``rpm`` requests, or a fixed or sliding minute) — and never more than ``rpm``
+in a minute, however the starts fall.
+
 The slot is the body of the ``async with``: the caller runs its adapter inside it, so the
 slot is given back only after the adapter's scope has exited, cleanup included (SPEC L6).
 
@@ -16,14 +21,15 @@ Edges:
   (`Lane.estimate_wait_s`: what the running requests have left, then the queue ahead);
 - a waiter cancelled in the very tick it is granted a slot hands the slot back (a naive
   limiter leaks it, notes/trio-stack.md Q5), and that grant was no start: the pacer
-  forgets it, so the next waiter may start at once;
+  forgets it, so the next waiter may start in its place;
 - when a slot is free but the pacer says "not yet", only the head of the queue sleeps
   until the pacer's next start; a waiter that leaves (client gone, its queue timeout)
   hands off again, so a new head takes over that wait — else the free slot idled until
   every waiter had timed out;
 - `update_profile` changes capacity and limits in place: running work is never revoked,
-  waiters are granted at once when capacity grows, a new rpm applies at the next start
-  (SPEC L10); `wait_idle` returns when nothing runs or waits (an adapter retires then).
+  waiters are granted at once when capacity grows, a new rpm applies at the next start,
+  counting the starts of the last minute (SPEC L10); `wait_idle` returns when nothing
+  runs or waits (an adapter retires then).
 
 Token budgets (SPEC L12) are one more thing the head of the queue waits for, exactly as it
 waits for the pacer: a request brings its `Need` (estimated input, output reservation);
@@ -60,6 +66,7 @@ from relay.vocab.limits import RateLimits
 from relay.vocab.profile import Profile
 
 from .budget import Budget, Need, Reservation, held_error, too_large_error
+from .pacer import Pacer
 
 __all__ = ["PRIORITIES", "Lane", "LaneStatistics", "Ticket"]
 
@@ -93,10 +100,6 @@ class _Waiter:
     event: trio.Event = attrs.field(factory=trio.Event)
     granted: bool = False
     cancelled: bool = False
-    # Set at the grant: the start it counts as, and the pacer's last start before it, so
-    # that a grant handed straight back (cancelled in the same tick) is not a start.
-    start_no: int = 0
-    paced_from: float = -math.inf
     granted_at: float = 0.0  # when the slot became its own (its start, for the estimate)
     need: Need | None = None  # its token budgets' need (SPEC L12)
     probe: bool = False  # a connection check: may pass a hold
@@ -121,10 +124,8 @@ class Lane:
         self._live = 0  # waiters neither granted nor cancelled
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
-        # The pacer (SPEC L9): when the last request started, and how many have; the next
-        # start is due 60 / rpm after the last one, with the rpm of the current profile.
-        self._last_start = -math.inf
-        self._starts = 0
+        # The pacer (SPEC L9): at most rpm starts in any 60 s, with the current profile's.
+        self._pacer = Pacer()
         # How long a slot is held, for honest Retry-After figures: the adapter's typical
         # call time until a hold has been seen, then a running average of the holds seen
         # (the first one replaces the guess). And when each slot held now was taken.
@@ -161,12 +162,11 @@ class Lane:
     @property
     def _next_start(self) -> float:
         """The pacer's earliest next start (-inf when unpaced)."""
-        rpm = self._profile.rpm
-        return self._last_start + 60.0 / rpm if rpm > 0 else -math.inf
+        return self._pacer.next_start(self._profile.rpm)
 
     def update_profile(self, profile: Profile) -> None:
         """Apply a reloaded profile in place: never revokes a running slot. A new rpm
-        applies at once (the next start is due 60 / rpm after the last one)."""
+        applies at once, to the starts of the last minute."""
         self._profile = profile
         self.budget.update_profile(profile)
         self._hand_off()
@@ -225,7 +225,8 @@ class Lane:
         median of what the running requests have run so far when that is longer (the
         average is stale: no request has finished, or the calls got longer). The
         ``ahead`` waiters of the same or a higher class then take the slots as they come
-        free, one expected call each, and the pacer spaces every start by 60 / rpm.
+        free, one expected call each, and the pacer lets at most rpm of those starts and
+        the last minute's fall in any 60 s.
         """
         now = trio.current_time()
         rank = PRIORITIES.get(priority, PRIORITIES["normal"])
@@ -243,12 +244,14 @@ class Lane:
         free = [0.0] * max(0, lanes - len(left)) + left[max(0, len(left) - lanes):]
         heapq.heapify(free)
         ahead = sum(1 for w in self._heap if not w.cancelled and w.rank <= rank)
-        gap = 60.0 / prof.rpm if prof.rpm > 0 else 0.0
-        start = self._next_start - now - gap  # the pacer's last start, from now
+        pacer = self._pacer.copy(now)  # its window, from now (a simulation's own)
         steps = min(ahead, 4096) + 1
+        start = 0.0
         for _ in range(steps):
-            start = max(heapq.heappop(free), start + gap)
+            start = max(heapq.heappop(free), pacer.next_start(prof.rpm))
+            pacer.add(start)
             heapq.heappush(free, start + call)
+        gap = 60.0 / prof.rpm if prof.rpm > 0 else 0.0
         start += (ahead + 1 - steps) * max(call / lanes, gap)  # a huge queue: its rate
         start = max(start, self.budget.hold_left(now))  # the provider's hold (SPEC L12)
         return max(0.0, start), left, call, ahead
@@ -393,14 +396,11 @@ class Lane:
         self._borrowed += 1
         self._held_since.append(now)
         ticket.started_at = now
-        self._last_start = now
-        self._starts += 1
+        self._pacer.add(now)
 
     def _unstart(self, waiter: _Waiter) -> None:
-        """A grant handed straight back was no start: the pacer forgets it, unless
-        another request has started since."""
-        if self._starts == waiter.start_no:
-            self._last_start = waiter.paced_from
+        """A grant handed straight back was no start: the pacer forgets it."""
+        self._pacer.remove(waiter.granted_at)
 
     def _hand_off(self) -> None:
         """Give free slots to the first waiters, as far as the pacer and the token
@@ -425,14 +425,11 @@ class Lane:
             self._live -= 1
             waiter.granted = True
             waiter.granted_at = now
-            waiter.paced_from = self._last_start
             if waiter.head_since is not None:
                 waiter.token_wait_s = now - waiter.head_since
             if self.budget.active:
                 waiter.reservation = self.budget.reserve(waiter.need)
-            self._last_start = now
-            self._starts += 1
-            waiter.start_no = self._starts
+            self._pacer.add(now)
             waiter.event.set()
 
     def _forget(self, waiter: _Waiter) -> None:
@@ -507,7 +504,7 @@ def _basis(left: list[float], call: float, ahead: int, rpm: float) -> str:
     if ahead:
         said += f"; {ahead} waiting ahead, about {math.ceil(call)} s each"
     if rpm:
-        said += f"; one start every {60 / rpm:g} s"
+        said += f"; at most {rpm:g} starts a minute"
     return said
 
 

@@ -10,10 +10,11 @@ Keys of one lane (``KEYS``; ``{prefix:provider}`` keeps them in one cluster slot
     W   zset  waiter member  -> rank * 2^40 + arrival number (priority class, then FIFO)
     WX  zset  waiter member  -> its lease's expiry: a dead relay's waiters leave too
     M   hash  the stored profile (lanes, queue_max, rpm, set_by, pver), the epoch, the
-              pacer (last start, starts), the quiet period's end, the arrival counter,
-              "p:<member>" (how to undo a grant handed straight back), "l:<instance>"
-              (each relay's lease)
+              quiet period's end, the arrival counter, "l:<instance>" (each relay's lease)
     R   zset  relay instance -> its lease's expiry (the relays present)
+    P   zset  member -> when it started (ms): the pacer's window (SPEC L9: at most rpm
+              starts in any 60 s, `relay.engine.pacer`), the last minute's starts; a
+              grant handed straight back is removed, so it was no start
 
 A member is ``<instance>|<n>``, an instance ``<relay_id>#<random>``: one relay process.
 A grant to a waiter is published on ``<channel prefix><instance>`` as ``g <member>``; a
@@ -45,7 +46,7 @@ from __future__ import annotations
 __all__ = ["ACQUIRE", "CLAIM", "LEAVE", "PUMP", "RELEASE", "SYNC"]
 
 _PRELUDE = r"""
-local H, W, WX, M, R = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local H, W, WX, M, R, P = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local instance, relay_id, lease = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local known, chan, lane_name = ARGV[4], ARGV[8], ARGV[9]
 local t = redis.call('TIME')
@@ -63,15 +64,14 @@ end
 S.run_id, S.uptime = server_id()
 
 local function load()
-  local m = redis.call('HMGET', M, 'epoch', 'lanes', 'queue_max', 'rpm', 'last', 'starts',
-                       'quiet', 'set_by', 'pver', 'srv')
+  local m = redis.call('HMGET', M, 'epoch', 'lanes', 'queue_max', 'rpm', 'quiet', 'set_by',
+                       'pver', 'srv')
   if not m[1] then return false end
   S.epoch, S.lanes, S.queue_max, S.rpm = m[1], tonumber(m[2]), tonumber(m[3]), tonumber(m[4])
-  S.last, S.starts, S.quiet = tonumber(m[5]), tonumber(m[6]), tonumber(m[7])
-  S.set_by, S.pver = m[8], tonumber(m[9])
+  S.quiet, S.set_by, S.pver = tonumber(m[5]), m[6], tonumber(m[7])
   -- The state was written by another server (a failover: the promoted replica has it,
   -- but maybe not the last grants): no grant until SYNC has the holders registered again.
-  S.moved = (m[10] and S.run_id and m[10] ~= S.run_id) or false
+  S.moved = (m[8] and S.run_id and m[8] ~= S.run_id) or false
   if S.moved then S.quiet = math.max(S.quiet, now + lease) end
   return true
 end
@@ -82,7 +82,6 @@ local function prune()
   local gone = redis.call('ZRANGEBYSCORE', H, '-inf', now)
   for _, h in ipairs(gone) do
     redis.call('ZREM', H, h)
-    redis.call('HDEL', M, 'p:' .. h)
   end
   local left = redis.call('ZRANGEBYSCORE', WX, '-inf', now)
   for _, w in ipairs(left) do
@@ -97,23 +96,28 @@ local function prune()
   return #gone
 end
 
+-- The pacer (SPEC L9): at most n = max(1, floor(rpm)) starts in any 60 n / rpm s; the
+-- earliest time the next start may be made.
+local function paced_until()
+  if S.rpm <= 0 then return -1e15 end
+  local n = math.max(1, math.floor(S.rpm))
+  local nth = redis.call('ZREVRANGE', P, n - 1, n - 1, 'WITHSCORES')
+  if not nth[2] then return -1e15 end
+  return tonumber(nth[2]) + 60000 * n / S.rpm
+end
+
 local function grant(member)
   local l = tonumber(redis.call('HGET', M, 'l:' .. owner(member)) or lease)
-  redis.call('HSET', M, 'p:' .. member, S.last .. ',' .. (S.starts + 1))
-  S.last, S.starts = now, S.starts + 1
-  redis.call('HSET', M, 'last', S.last, 'starts', S.starts)
+  redis.call('ZADD', P, now, member)
+  -- Older than a minute a start never counts again (this one is the last).
+  local old = redis.call('ZCOUNT', P, '-inf', '(' .. (now - 60000))
+  if old > 0 then redis.call('ZREMRANGEBYRANK', P, 0, old - 1) end
   redis.call('ZADD', H, now + l, member)
 end
 
+-- A grant handed straight back was no start.
 local function unstart(member)
-  local p = redis.call('HGET', M, 'p:' .. member)
-  if p then
-    local from, no = string.match(p, '^(.-),(.*)$')
-    if tonumber(no) == S.starts then
-      S.last = tonumber(from)
-      redis.call('HSET', M, 'last', S.last)
-    end
-  end
+  redis.call('ZREM', P, member)
 end
 
 -- Grant free slots to the heads of the queue as far as the pacer and the quiet period
@@ -123,8 +127,7 @@ local function pump()
   while free > 0 do
     local head = redis.call('ZRANGE', W, 0, 0)[1]
     if not head then return -1 end
-    local due = S.quiet
-    if S.rpm > 0 then due = math.max(due, S.last + 60000 / S.rpm) end
+    local due = math.max(S.quiet, paced_until())
     if now < due then
       local ms = math.ceil(due - now)
       redis.call('PUBLISH', chan .. owner(head), 'p ' .. lane_name .. ' ' .. ms)
@@ -143,7 +146,7 @@ local function pump()
 end
 
 local function keep()
-  for _, k in ipairs({H, W, WX, M, R}) do
+  for _, k in ipairs({H, W, WX, M, R, P}) do
     if redis.call('PTTL', k) < lease then redis.call('PEXPIRE', k, lease) end
   end
 end
@@ -171,7 +174,7 @@ if not load() then
   local quiet = now - S.uptime * 1000 + lease
   if known ~= '' then quiet = math.max(quiet, now + lease) end
   redis.call('HSET', M, 'epoch', t[1] .. '.' .. t[2], 'lanes', ARGV[5], 'queue_max', ARGV[6],
-             'rpm', ARGV[7], 'last', -1e15, 'starts', 0, 'quiet', quiet, 'set_by', relay_id,
+             'rpm', ARGV[7], 'quiet', quiet, 'set_by', relay_id,
              'pver', 1, 'seq', 0)
   load()
 end
@@ -245,8 +248,7 @@ prune()
 if redis.call('ZSCORE', H, member) then return reply('granted') end
 if redis.call('ZSCORE', W, member) then return reply('queued', pump()) end
 local running, queued = counts()
-local due = S.quiet
-if S.rpm > 0 then due = math.max(due, S.last + 60000 / S.rpm) end
+local due = math.max(S.quiet, paced_until())
 if queued == 0 and running < S.lanes and now >= due then
   grant(member)
   return reply('granted')
@@ -261,8 +263,8 @@ return reply('queued', wait)
 """
 
 # A waiter leaves (its queue timeout, its client gone). ARGV[10] member. A grant that
-# landed on it meanwhile is given back, and was no start: the pacer forgets it unless
-# another start came after. Reply status: left | returned | gone | stale.
+# landed on it meanwhile is given back, and was no start: the pacer forgets it. Reply
+# status: left | returned | gone | stale.
 LEAVE = _PRELUDE + r"""
 if not load() or S.epoch ~= known then return {'stale', 0, 0, -1, {}} end
 local member = ARGV[10]
@@ -274,7 +276,6 @@ end
 if redis.call('ZSCORE', H, member) then
   unstart(member)
   redis.call('ZREM', H, member)
-  redis.call('HDEL', M, 'p:' .. member)
   return reply('returned', pump())
 end
 return reply('gone', pump())
@@ -287,7 +288,6 @@ if not load() or S.epoch ~= known then return {'stale', 0, 0, -1, {}} end
 local member = ARGV[10]
 prune()
 local had = redis.call('ZREM', H, member)
-redis.call('HDEL', M, 'p:' .. member)
 return reply(had == 1 and 'released' or 'gone', pump())
 """
 
