@@ -177,7 +177,7 @@ def test_json_answers_map_to_response_format() -> None:
     (req(generationConfig={"maxOutputTokens": 0}), "generationConfig.maxOutputTokens"),
     (req(generationConfig={"maxOutputTokens": 2**40}), "generationConfig.maxOutputTokens"),
     (req(generationConfig={"stopSequences": "END"}), "generationConfig.stopSequences"),
-    (req(generationConfig={"stopSequences": [5]}), "generationConfig.stopSequences"),
+    (req(generationConfig={"stopSequences": [5]}), "generationConfig.stopSequences[0]"),
     (req(generationConfig=[]), "generationConfig"),
     (req(generationConfig={"responseJsonSchema": {}}), "generationConfig.responseJsonSchema"),
     (req(tools={"functionDeclarations": []}), "tools"),
@@ -186,6 +186,16 @@ def test_json_answers_map_to_response_format() -> None:
     (req(toolConfig={"functionCallingConfig": {"mode": "SOMETIMES"}}),
      "toolConfig.functionCallingConfig.mode"),
     (req(systemInstruction=5), "systemInstruction"),
+    # the dialect's own fields, typed too (GEMINI_SCHEMA) though relay passes them on
+    (req(safetySettings={"category": "x"}), "safetySettings"),
+    (req(generationConfig={"thinkingConfig": {"thinkingBudget": "lots"}}),
+     "generationConfig.thinkingConfig.thinkingBudget"),
+    (req(labels={"team": 5}), "labels.team"),
+    (req(cachedContent=7), "cachedContent"),
+    # nothing left to answer once thoughts are set aside (a CLI tool named `messages`)
+    ({"contents": [{"role": "user", "parts": []}]}, "contents"),
+    ({"contents": [{"role": "user", "parts": [{"text": "hm", "thought": True}]}]},
+     "contents"),
     ({"contents": [{"role": "user", "parts": [
         {"functionResponse": {"name": "ghost", "response": {}}}]}]}, "contents[0].parts[0]"),
 ])

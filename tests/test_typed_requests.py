@@ -54,6 +54,7 @@ from relay.api.fields import CHAT_FIELDS, OWN_FIELDS
 from relay.dialects.schemas import (
     CHAT_SCHEMA,
     EMBEDDINGS_SCHEMA,
+    GEMINI_SCHEMA,
     MESSAGES_SCHEMA,
     RESPONSES_SCHEMA,
     SCHEMAS,
@@ -65,6 +66,7 @@ MODEL = {"fake": "fake/echo", "openai": "up/m1", "anthropic": "ant/claude-x",
          "gemini-cli": "gemini/ok"}
 KINDS = tuple(MODEL)
 HI = [{"role": "user", "content": "hi"}]
+GEMINI_HI = [{"role": "user", "parts": [{"text": "hi"}]}]
 
 
 @attrs.frozen
@@ -85,6 +87,10 @@ FRONTS = [
     Front("responses", "/v1/responses", {"input": "hi"}, RESPONSES_SCHEMA),
     Front("embeddings", "/v1/embeddings", {"input": "hi"}, EMBEDDINGS_SCHEMA, ("gemini",),
           {"gemini": "gemb/text-embedding-test"}),
+    # (a system instruction already there: a part the skeleton makes holds no kind)
+    Front("gemini", "/v1beta/models/{model}:generateContent", {
+        "contents": GEMINI_HI, "systemInstruction": {"parts": [{"text": "be brief"}]}},
+        GEMINI_SCHEMA),
 ]
 # The fake Gemini API's embedding model, as a provider of its own.
 EMBEDDER = """
@@ -294,10 +300,16 @@ def send(stage: tuple[Stage, httpx.Client], front: Front, kind: str,
 
 
 def error_of(resp: httpx.Response) -> dict[str, Any]:
-    """The E1 fields in any front's shape (OpenAI's, Anthropic's, a ``relay`` inside)."""
+    """The E1 fields in any front's shape: OpenAI's (``param`` and ``code`` in the
+    error), Anthropic's (a ``relay`` object inside), Google's (``{"error": {"code": 400,
+    "message", "status", "details", "relay": {"reason", "param", …}}}``: its ``code`` is
+    the HTTP status, so the reason and the path come from ``relay`` only)."""
     body = resp.json()
     error = body.get("error", body) if isinstance(body, dict) else {}
     relay = error.get("relay") or {}
+    if "status" in error:   # Google's shape
+        return {"param": relay.get("param"), "reason": relay.get("reason"),
+                "message": error.get("message", "")}
     return {"param": error.get("param", relay.get("param")),
             "reason": relay.get("reason") or error.get("code"),
             "message": error.get("message", "")}
@@ -328,11 +340,17 @@ def judge(resp: httpx.Response, field: str, where: Any) -> None:
 # --- the tests --------------------------------------------------------------------------------
 
 def test_the_schemas_know_every_field_of_the_policy() -> None:
-    """Every chat-level field the field policy knows, and every Messages field of its
-    own, is typed (a field added there without a type fails here)."""
+    """Every chat-level field the field policy knows, and every Messages and Gemini field
+    of its own, is typed (a field added there without a type fails here)."""
     assert set(CHAT_FIELDS) <= set(CHAT_SCHEMA.fields)
     own = {name.split(".")[0] for name in OWN_FIELDS["anthropic"]} - {"content"}
     assert own <= set(MESSAGES_SCHEMA.fields), own - set(MESSAGES_SCHEMA.fields)
+    for name in OWN_FIELDS["gemini"]:   # down to generationConfig.x and tools.x
+        top, _, inner = name.partition(".")
+        spec: Spec = GEMINI_SCHEMA.fields.get(top, ANY)
+        if inner and top != "contents":   # (contents.thought: a part's, read by its kind)
+            spec = _child(_child(spec, 0), inner) if top == "tools" else _child(spec, inner)
+        assert spec is not ANY, name
     assert {f.schema.name for f in FRONTS} == set(SCHEMAS)
 
 
@@ -361,6 +379,21 @@ def test_stop_5_names_stop(stage: Any) -> None:
     error = resp.json()["error"]
     assert (error["code"], error["param"]) == ("invalid_request", "stop"), error
     assert error["relay"]["phase"] == "request"
+
+
+def test_gemini_stop_5_names_stop(stage: Any) -> None:
+    """The same on the Gemini front, in Google's shape: the path in ``relay.param`` (what
+    `error_of` reads) and in the BadRequest detail."""
+    gemini = next(f for f in FRONTS if f.name == "gemini")
+    resp = send(stage, gemini, "fake", ("generationConfig", "stopSequences"), 5)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (error["code"], error["status"]) == (400, "INVALID_ARGUMENT"), error
+    relay = error["relay"]
+    assert (relay["reason"], relay["param"], relay["phase"]) == (
+        "invalid_request", "generationConfig.stopSequences", "request"), relay
+    violations = [v["field"] for d in error["details"] for v in d.get("fieldViolations", ())]
+    assert violations == ["generationConfig.stopSequences"], error
 
 
 EDGES = st.one_of(

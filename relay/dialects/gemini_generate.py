@@ -2,11 +2,13 @@
 ``/v1beta/models/{model}:generateContent`` (and ``:streamGenerateContent``,
 ``:countTokens``) and what they get back (SPEC A9), for any provider behind relay.
 
-A request is checked in one place, `structure` — every field the dialect reads, its type
-and range, a 400 naming the field's path (``generationConfig.topK``,
-``contents[2].parts[0].functionCall.args``) in Google's shape — then translated into
-relay's own `ChatInput` (OpenAI's message shapes), so the same queue, lanes, fallbacks
-and adapters serve it. The model and whether it streams come from the path, not the
+A request is checked first against `relay.dialects.schemas.GEMINI_SCHEMA`
+(`relay.dialects.typed.check`, as every front's: every field's type and range, a 400
+naming each bad field's path — ``generationConfig.topK``,
+``contents[2].parts[0].functionCall.args`` — in Google's shape, the path also in the
+error's ``relay.param``), then structured (`structure`: what a schema cannot say), then
+translated into relay's own `ChatInput` (OpenAI's message shapes), so the same queue,
+lanes, fallbacks and adapters serve it. The model and whether it streams come from the path, not the
 body. Translation tables:
 
 =======================================  ==================================================
@@ -54,6 +56,8 @@ from relay.vocab.events import Inbound
 
 from .gemini_render import GeminiRender
 from .gemini_structure import GENERATION, MODES, GeminiRequest, openapi_schema, structure
+from .schemas import GEMINI_SCHEMA
+from .typed import check
 
 __all__ = ["GEMINI", "GEMINI_SDK", "GeminiDialect", "parse_gemini_body"]
 
@@ -119,7 +123,7 @@ def _params(request: GeminiRequest) -> tuple[dict[str, Any], dict[str, str]]:
     params: dict[str, Any] = {}
     names: dict[str, str] = {}
     config = request.config
-    for key, (ours, _) in GENERATION.items():
+    for key, ours in GENERATION.items():
         if config.get(key) is not None:
             params[ours], names[ours] = config[key], f"generationConfig.{key}"
     if config.get("maxOutputTokens") is not None:
@@ -132,7 +136,7 @@ def _params(request: GeminiRequest) -> tuple[dict[str, Any], dict[str, str]]:
     if config.get("responseMimeType") == "application/json":
         schema = config.get("responseJsonSchema")
         if schema is None and config.get("responseSchema") is not None:
-            schema = openapi_schema(config["responseSchema"], "generationConfig.responseSchema")
+            schema = openapi_schema(config["responseSchema"])
         params["response_format"] = ({"type": "json_schema", "json_schema": {
             "name": "output", "schema": schema}} if schema is not None
             else {"type": "json_object"})
@@ -168,8 +172,14 @@ def parse_gemini_body(body: bytes, model: str, *, stream: bool) -> ChatInput:
             parts relay cannot translate.
     """
     data = load_json(body)
+    if not isinstance(data, dict):
+        raise RelayError("invalid_request", "the body must be a JSON object")
+    check(data, GEMINI_SCHEMA)
     request = structure(data)
     messages = _messages(request)
+    if all(m["role"] == "system" for m in messages):   # (a CLI tool's 400 named messages)
+        raise RelayError("invalid_request", "'contents' holds nothing to answer: every "
+                         "content's parts are empty or thoughts", param="contents")
     params, names = _params(request)
     inbound = Inbound(dialect="gemini", own=request.own, names=names,
                       body={k: v for k, v in data.items()

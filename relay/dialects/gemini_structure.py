@@ -1,8 +1,10 @@
-"""The Gemini dialect's requests, checked (SPEC A9): `structure` reads a request body into a
-`GeminiRequest`, every field relay reads checked for type and range here and nowhere else,
-a 400 naming the field's path (``generationConfig.topK``,
-``contents[2].parts[0].functionCall.args``). `relay.dialects.gemini_generate` translates
-the result into relay's own terms.
+"""The Gemini dialect's requests, structured (SPEC A9): `structure` reads a request body,
+already checked against `relay.dialects.schemas.GEMINI_SCHEMA` (every field's type and
+range, a 400 naming the field's path, in one place: `relay.dialects.typed.check`), into a
+`GeminiRequest`, and refuses here only what a schema cannot say (a part holds exactly one
+kind, ``candidateCount`` above 1, a ``responseSchema`` without JSON output, …).
+`relay.dialects.gemini_generate` checks, then structures, then translates the result into
+relay's own terms.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from typing import Any, NoReturn
 
 import attrs
 
-from relay.dialects.openai_chat import INT_MAX
 from relay.vocab.errors import RelayError
 
 __all__ = ["GENERATION", "MODES", "Content", "Declaration", "GeminiRequest", "Part",
@@ -20,16 +21,14 @@ __all__ = ["GENERATION", "MODES", "Content", "Declaration", "GeminiRequest", "Pa
 # The top-level fields this dialect reads; every other one is its own (kept as sent).
 _READ = {"contents", "systemInstruction", "tools", "toolConfig", "generationConfig",
          "model", "fallbacks"}
-# generationConfig's fields that are chat-level params (with the client's name for each).
-GENERATION: dict[str, tuple[str, type | tuple[type, ...]]] = {
-    "temperature": ("temperature", (int, float)), "topP": ("top_p", (int, float)),
-    "topK": ("top_k", (int, float)), "seed": ("seed", int),
-    "presencePenalty": ("presence_penalty", (int, float)),
-    "frequencyPenalty": ("frequency_penalty", (int, float)),
-}
+# generationConfig's fields that are chat-level params: Gemini's name → chat's.
+GENERATION: dict[str, str] = {
+    "temperature": "temperature", "topP": "top_p", "topK": "top_k", "seed": "seed",
+    "presencePenalty": "presence_penalty", "frequencyPenalty": "frequency_penalty"}
 _CONFIG_READ = {*GENERATION, "maxOutputTokens", "stopSequences", "candidateCount",
                 "responseMimeType", "responseSchema", "responseJsonSchema",
                 "responseLogprobs", "logprobs"}
+# (the schema's GEMINI_MODES, each as a tool_choice)
 MODES = {"AUTO": "auto", "ANY": "required", "NONE": "none", "VALIDATED": "auto",
           "MODE_UNSPECIFIED": "auto"}
 _OPENAPI_TYPES = {"STRING", "NUMBER", "INTEGER", "BOOLEAN", "ARRAY", "OBJECT", "NULL",
@@ -40,36 +39,6 @@ _OPENAPI_ONLY = {"nullable", "propertyOrdering"}
 
 def _bad(path: str, what: str) -> NoReturn:
     raise RelayError("invalid_request", f"'{path}' {what}", param=path)
-
-
-def _obj(value: Any, path: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        _bad(path, "must be an object")
-    return value
-
-
-def _list(value: Any, path: str) -> list[Any]:
-    if not isinstance(value, list):
-        _bad(path, "must be a list")
-    return value
-
-
-def _str(value: Any, path: str) -> str:
-    if not isinstance(value, str):
-        _bad(path, "must be a string")
-    return value
-
-
-def _opt_str(data: dict[str, Any], key: str, path: str) -> str | None:
-    value = data.get(key)
-    return None if value is None else _str(value, f"{path}.{key}")
-
-
-def _number(value: Any, path: str, kinds: type | tuple[type, ...]) -> Any:
-    if isinstance(value, bool) or not isinstance(value, kinds) or (
-            isinstance(value, int) and abs(value) > INT_MAX):
-        _bad(path, "must be a whole number" if kinds is int else "must be a number")
-    return value
 
 
 # --- the one structuring function -----------------------------------------------------------
@@ -102,7 +71,7 @@ class Declaration:
 
 @attrs.frozen
 class GeminiRequest:
-    """A Gemini request, every field relay reads type-checked (`structure`)."""
+    """A Gemini request, structured (`structure`) from a body `GEMINI_SCHEMA` passed."""
 
     contents: tuple[Content, ...]
     system: str | None
@@ -114,12 +83,9 @@ class GeminiRequest:
     fallbacks: Any
 
 
-def _part(raw: Any, path: str, own: dict[str, Any]) -> Part:
-    data = _obj(raw, path)
-    thought = data.get("thought")
-    if thought is not None and not isinstance(thought, bool):
-        _bad(f"{path}.thought", "must be true or false")
-    signature = _opt_str(data, "thoughtSignature", path)
+def _part(data: dict[str, Any], path: str, own: dict[str, Any]) -> Part:
+    thought = data.get("thought") is True
+    signature = data.get("thoughtSignature")
     if signature is not None:
         own.setdefault("contents.thoughtSignature", True)
     if thought:
@@ -137,41 +103,25 @@ def _part(raw: Any, path: str, own: dict[str, Any]) -> Part:
                    "functionResponse")
     kind = kinds[0]
     value = data[kind]
-    at = f"{path}.{kind}"
     if kind == "text":
-        return Part(text=_str(value, at), thought=bool(thought), signature=signature)
-    if kind in ("inlineData", "fileData"):
-        blob = _obj(value, at)
-        mime = _str(blob.get("mimeType"), f"{at}.mimeType")
-        key = "data" if kind == "inlineData" else "fileUri"
-        payload = _str(blob.get(key), f"{at}.{key}")
-        return (Part(inline=(mime, payload)) if kind == "inlineData"
-                else Part(file=(mime, payload)))
-    fn = _obj(value, at)
-    ident = _opt_str(fn, "id", at)
-    name = _str(fn.get("name"), f"{at}.name")
+        return Part(text=value, thought=thought, signature=signature)
+    if kind == "inlineData":
+        return Part(inline=(value["mimeType"], value["data"]))
+    if kind == "fileData":
+        return Part(file=(value["mimeType"], value["fileUri"]))
+    ident, name = value.get("id"), value["name"]
     if kind == "functionCall":
-        args = fn.get("args")
-        args = {} if args is None else _obj(args, f"{at}.args")
-        return Part(call=(ident, name, args), signature=signature)
-    response = fn.get("response")
-    response = {} if response is None else _obj(response, f"{at}.response")
-    return Part(response=(ident, name, response))
+        return Part(call=(ident, name, value.get("args") or {}), signature=signature)
+    return Part(response=(ident, name, value.get("response") or {}))
 
 
-def _content(raw: Any, path: str, own: dict[str, Any], *, system: bool = False) -> Content:
-    data = _obj(raw, path)
-    role = data.get("role")
-    if role is None or system:
-        role = "user" if role is None else role
-    if not isinstance(role, str) or (not system and role not in ("user", "model")):
-        _bad(f"{path}.role", "must be 'user' or 'model'")
-    parts = _list(data.get("parts"), f"{path}.parts")
-    return Content(role=role, parts=tuple(_part(p, f"{path}.parts[{j}]", own)
-                                          for j, p in enumerate(parts)))
+def _content(data: dict[str, Any], path: str, own: dict[str, Any]) -> Content:
+    return Content(role=data.get("role") or "user",
+                   parts=tuple(_part(p, f"{path}.parts[{j}]", own)
+                               for j, p in enumerate(data["parts"])))
 
 
-def openapi_schema(schema: Any, path: str) -> dict[str, Any]:
+def openapi_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """Google's OpenAPI-subset schema (``parameters``, ``responseSchema``) → JSON Schema."""
     def walk(node: Any) -> Any:
         if isinstance(node, list):
@@ -188,129 +138,77 @@ def openapi_schema(schema: Any, path: str) -> dict[str, Any]:
             out["type"] = [out["type"], "null"]
         return out
 
-    return dict(walk(_obj(schema, path)))
+    return dict(walk(schema))
 
 
-def _declarations(raw: Any, own: dict[str, Any]) -> tuple[Declaration, ...]:
+def _declarations(tools: list[dict[str, Any]], own: dict[str, Any]) -> tuple[Declaration, ...]:
     out: list[Declaration] = []
-    for i, tool in enumerate(_list(raw, "tools")):
-        at = f"tools[{i}]"
-        data = _obj(tool, at)
-        for key, value in data.items():
+    for tool in tools:
+        for key, value in tool.items():
             if key != "functionDeclarations" and value is not None:
                 own.setdefault(f"tools.{key}", value)  # Google's built-in tools
-        for j, decl in enumerate(_list(data.get("functionDeclarations") or [],
-                                       f"{at}.functionDeclarations")):
-            where = f"{at}.functionDeclarations[{j}]"
-            fn = _obj(decl, where)
-            name = _str(fn.get("name"), f"{where}.name")
-            if not name:
-                _bad(f"{where}.name", "must not be empty")
+        for fn in tool.get("functionDeclarations") or ():
             params: dict[str, Any] | None = None
             if fn.get("parametersJsonSchema") is not None:
-                params = _obj(fn["parametersJsonSchema"], f"{where}.parametersJsonSchema")
+                params = fn["parametersJsonSchema"]
             elif fn.get("parameters") is not None:
-                params = openapi_schema(fn["parameters"], f"{where}.parameters")
-            out.append(Declaration(name, _opt_str(fn, "description", where), params))
+                params = openapi_schema(fn["parameters"])
+            out.append(Declaration(fn["name"], fn.get("description"), params))
     return tuple(out)
 
 
-def _config(raw: Any, own: dict[str, Any]) -> dict[str, Any]:
-    config = _obj(raw, "generationConfig")
+def _config(config: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
     path = "generationConfig"
-    for key, (_, kinds) in GENERATION.items():
-        if config.get(key) is not None:
-            _number(config[key], f"{path}.{key}", kinds)
-    for key in ("maxOutputTokens", "candidateCount"):
-        if config.get(key) is not None:
-            value = _number(config[key], f"{path}.{key}", int)
-            if value < 1:
-                _bad(f"{path}.{key}", "must be at least 1")
     if config.get("candidateCount") not in (None, 1):
         raise RelayError("unsupported", "'generationConfig.candidateCount' above 1: relay "
                          "answers one candidate per request; send several requests",
                          param=f"{path}.candidateCount")
-    stops = config.get("stopSequences")
-    if stops is not None and not all(isinstance(s, str) for s in _list(
-            stops, f"{path}.stopSequences")):
-        _bad(f"{path}.stopSequences", "must be a list of strings")
-    mime = _opt_str(config, "responseMimeType", path)
+    mime = config.get("responseMimeType")
     if mime not in (None, "text/plain", "application/json"):
         raise RelayError("unsupported", f"'{path}.responseMimeType' {mime!r}: relay "
                          "translates text/plain and application/json",
                          param=f"{path}.responseMimeType")
     for key in ("responseSchema", "responseJsonSchema"):
-        if config.get(key) is not None:
-            _obj(config[key], f"{path}.{key}")
-            if mime != "application/json":
-                _bad(f"{path}.{key}", "needs responseMimeType 'application/json'")
-    for key in ("responseLogprobs",):
-        if config.get(key) is not None and not isinstance(config[key], bool):
-            _bad(f"{path}.{key}", "must be true or false")
-    if config.get("logprobs") is not None:
-        _number(config["logprobs"], f"{path}.logprobs", int)
+        if config.get(key) is not None and mime != "application/json":
+            _bad(f"{path}.{key}", "needs responseMimeType 'application/json'")
     for key, value in config.items():
         if key not in _CONFIG_READ and value is not None:
             own.setdefault(f"generationConfig.{key}", value)
     return config
 
 
-def _tool_config(raw: Any) -> tuple[str | None, tuple[str, ...] | None]:
-    data = _obj(raw, "toolConfig")
-    calling = data.get("functionCallingConfig")
-    if calling is None:
-        return None, None
-    at = "toolConfig.functionCallingConfig"
-    calling = _obj(calling, at)
-    mode = _opt_str(calling, "mode", at)
-    if mode is not None and mode not in MODES:
-        _bad(f"{at}.mode", f"must be one of {', '.join(MODES)}")
-    names = calling.get("allowedFunctionNames")
-    if names is None:
-        return mode, None
-    if not all(isinstance(n, str) for n in _list(names, f"{at}.allowedFunctionNames")):
-        _bad(f"{at}.allowedFunctionNames", "must be a list of strings")
-    return mode, tuple(names)
-
-
-def structure(data: Any) -> GeminiRequest:
-    """A Gemini request body (JSON) → `GeminiRequest`: every field relay reads checked
-    for type and range, here and nowhere else.
+def structure(data: dict[str, Any]) -> GeminiRequest:
+    """A Gemini request body that `GEMINI_SCHEMA` passed (`relay.dialects.typed.check`:
+    every field's type and range) → `GeminiRequest`.
 
     Raises:
-        RelayError: ``invalid_request`` naming the field's path; ``unsupported`` for what
-            relay cannot translate (``candidateCount`` above 1, executable code parts, …).
+        RelayError: ``invalid_request`` naming the field's path, for what a schema cannot
+            say (a part holding no kind or two, a system instruction's role, a schema
+            without JSON output); ``unsupported`` for what relay cannot translate
+            (``candidateCount`` above 1, executable code parts, …).
     """
-    if not isinstance(data, dict):
-        raise RelayError("invalid_request", "the body must be a JSON object")
     own: dict[str, Any] = {}
-    raw = _list(data.get("contents"), "contents")
-    if not raw:
-        _bad("contents", "must not be empty")
-    contents = tuple(_content(c, f"contents[{i}]", own) for i, c in enumerate(raw))
+    contents = tuple(_content(c, f"contents[{i}]", own)
+                     for i, c in enumerate(data["contents"]))
     system = None
-    if data.get("systemInstruction") is not None:
-        instruction = data["systemInstruction"]
-        if isinstance(instruction, str):
-            system = instruction
-        else:
-            content = _content(instruction, "systemInstruction", own, system=True)
-            texts = [p.text for p in content.parts if p.text is not None]
-            if len(texts) != len(content.parts):
-                raise RelayError("unsupported", "'systemInstruction': relay passes text "
-                                 "parts only", param="systemInstruction")
-            system = "\n".join(texts)
-    declarations = (_declarations(data["tools"], own) if data.get("tools") is not None
-                    else ())
-    mode, allowed = (_tool_config(data["toolConfig"]) if data.get("toolConfig") is not None
-                     else (None, None))
-    config = (_config(data["generationConfig"], own)
-              if data.get("generationConfig") is not None else {})
-    if data.get("model") is not None:
-        _str(data["model"], "model")
+    instruction = data.get("systemInstruction")
+    if isinstance(instruction, str):
+        system = instruction
+    elif instruction is not None:
+        content = _content(instruction, "systemInstruction", own)
+        texts = [p.text for p in content.parts if p.text is not None]
+        if len(texts) != len(content.parts):
+            raise RelayError("unsupported", "'systemInstruction': relay passes text "
+                             "parts only", param="systemInstruction")
+        system = "\n".join(texts)
+    declarations = _declarations(data.get("tools") or [], own)
+    calling = (data.get("toolConfig") or {}).get("functionCallingConfig") or {}
+    names = calling.get("allowedFunctionNames")
+    config = _config(data.get("generationConfig") or {}, own)
     for key, value in data.items():
         if key not in _READ and value is not None:
             own.setdefault(key, value)
     return GeminiRequest(contents=contents, system=system or None,
-                         declarations=declarations, mode=mode, allowed=allowed,
+                         declarations=declarations, mode=calling.get("mode"),
+                         allowed=None if names is None else tuple(names),
                          config=config, own=own, fallbacks=data.get("fallbacks"))

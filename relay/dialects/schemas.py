@@ -9,15 +9,16 @@ wrong types and edge values, to every adapter kind).
 
 Ranges are the providers' own (OpenAI's ``temperature`` 0-2, Anthropic's 0-1,
 ``top_logprobs`` 0-20, a token count 1 to 2**31 - 1); values are enumerated only where
-relay itself reads them (roles, ``tool_choice``), so a provider's new value passes.
+relay itself reads them (roles, ``tool_choice``, Gemini's ``functionCallingConfig.mode``),
+so a provider's new value passes.
 """
 
 from __future__ import annotations
 
 from .typed import ANY, INT64, INT_MAX, Arr, Bool, Int, Num, Obj, OneOf, Schema, Str
 
-__all__ = ["CHAT_ROLES", "CHAT_SCHEMA", "EMBEDDINGS_SCHEMA", "ENCODINGS", "MESSAGES_SCHEMA",
-           "RESPONSES_SCHEMA", "SCHEMAS"]
+__all__ = ["CHAT_ROLES", "CHAT_SCHEMA", "EMBEDDINGS_SCHEMA", "ENCODINGS", "GEMINI_MODES",
+           "GEMINI_SCHEMA", "MESSAGES_SCHEMA", "RESPONSES_SCHEMA", "SCHEMAS"]
 
 _NAME = Str(nonempty=True, nullable=False)
 _MODEL = Str(nonempty=True, nullable=False)
@@ -147,5 +148,59 @@ EMBEDDINGS_SCHEMA = Schema("embeddings", {
     "model": _MODEL, "encoding_format": Str(ENCODINGS), "dimensions": Int(1, INT_MAX),
     "user": Str(), "fallbacks": Arr(Str())})
 
+# --- Gemini generateContent (and countTokens; the model is in the path) --------------------
+# Google's JSON names (lowerCamelCase), the ones its SDKs and the Gemini CLI send; ranges
+# are Google's own (temperature 0-2, the penalties -2 to 2, int32 counts and seed).
+# ``topK`` is a number: google-genai types it as a float and sends ``40.0``.
+_BLOB = Obj({"mimeType": Str(nullable=False), "data": Str(nullable=False),
+             "displayName": Str()}, required=("mimeType", "data"))
+_FILE = Obj({"mimeType": Str(nullable=False), "fileUri": Str(nullable=False),
+             "displayName": Str()}, required=("mimeType", "fileUri"))
+_GPART = Obj({
+    "text": Str(), "thought": Bool(), "thoughtSignature": Str(),
+    "inlineData": _BLOB, "fileData": _FILE,
+    "functionCall": Obj({"id": Str(), "name": Str(nullable=False), "args": Obj()},
+                        required=("name",)),
+    "functionResponse": Obj({"id": Str(), "name": Str(nullable=False), "response": Obj(),
+                             "willContinue": Bool(), "scheduling": Str(),
+                             "parts": Arr(Obj())}, required=("name",)),
+    "executableCode": Obj({"language": Str(), "code": Str()}),
+    "codeExecutionResult": Obj({"outcome": Str(), "output": Str()}),
+    "videoMetadata": Obj(), "partMetadata": Obj(), "mediaResolution": OneOf(Str(), Obj())})
+_GPARTS = Arr(_GPART, nullable=False)
+_DECLARATION = Obj({"name": _NAME, "description": Str(), "behavior": Str(),
+                    "parameters": Obj(), "parametersJsonSchema": Obj(),
+                    "response": Obj(), "responseJsonSchema": Obj()}, required=("name",))
+GEMINI_MODES = ("AUTO", "ANY", "NONE", "VALIDATED", "MODE_UNSPECIFIED")
+GEMINI_SCHEMA = Schema("gemini", {
+    "model": Str(), "fallbacks": Arr(Str(nonempty=True)),
+    "contents": Arr(Obj({"role": Str(("user", "model")), "parts": _GPARTS},
+                        required=("parts",)), min_len=1, nullable=False),
+    "systemInstruction": OneOf(Str(), Obj({"role": Str(), "parts": _GPARTS},
+                                          required=("parts",))),
+    "tools": Arr(Obj({"functionDeclarations": Arr(_DECLARATION), "googleSearch": Obj(),
+                      "googleSearchRetrieval": Obj(), "codeExecution": Obj(),
+                      "urlContext": Obj(), "retrieval": Obj(), "computerUse": Obj(),
+                      "fileSearch": Obj(), "googleMaps": Obj()})),
+    "toolConfig": Obj({"functionCallingConfig": Obj({
+        "mode": Str(GEMINI_MODES), "allowedFunctionNames": Arr(Str())}),
+        "retrievalConfig": Obj()}),
+    "generationConfig": Obj({
+        "temperature": Num(0, 2), "topP": Num(0, 1), "topK": Num(0, INT_MAX),
+        "seed": Int(-INT_MAX - 1, INT_MAX), "presencePenalty": Num(-2, 2),
+        "frequencyPenalty": Num(-2, 2), "maxOutputTokens": Int(1, INT_MAX),
+        "candidateCount": Int(1, INT_MAX), "stopSequences": Arr(Str()),
+        "responseMimeType": Str(), "responseSchema": Obj(), "responseJsonSchema": Obj(),
+        "responseLogprobs": Bool(), "logprobs": Int(0, 20),
+        "responseModalities": Arr(Str()), "mediaResolution": Str(),
+        "thinkingConfig": Obj({"includeThoughts": Bool(), "thinkingBudget": Int(-1, INT_MAX),
+                               "thinkingLevel": Str()}),
+        "speechConfig": Obj(), "imageConfig": Obj(), "routingConfig": Obj(),
+        "enableEnhancedCivicAnswers": Bool(), "audioTimestamp": Bool(),
+        "enableAffectiveDialog": Bool()}),
+    "safetySettings": Arr(Obj({"category": Str(), "threshold": Str(), "method": Str()})),
+    "cachedContent": Str(), "labels": Obj(rest=Str()), "serviceTier": Str(),
+}, required=("contents",))
+
 SCHEMAS: dict[str, Schema] = {s.name: s for s in (
-    CHAT_SCHEMA, MESSAGES_SCHEMA, RESPONSES_SCHEMA, EMBEDDINGS_SCHEMA)}
+    CHAT_SCHEMA, MESSAGES_SCHEMA, RESPONSES_SCHEMA, EMBEDDINGS_SCHEMA, GEMINI_SCHEMA)}
