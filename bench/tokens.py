@@ -2,9 +2,11 @@
 
     python -m bench.tokens                   # the full run (burst, then 90 s steady)
     python -m bench.tokens --steady-s 30     # a shorter steady phase
+    python -m bench.tokens --only shared     # only the clients whose name has "shared"
+    python -m bench.tokens --keep DIR        # the relays' records kept in DIR
 
 A fake provider (tests/fake_metered.py) publishes 100 requests, 40,000 input and 16,000
-output tokens a minute (continuous buckets) on real time. Two workloads, each against four
+output tokens a minute (continuous buckets) on real time. Two workloads, each against six
 clients, all in one run:
 
 - **burst**: 60 requests at once — 10 of about 6,000 tokens, 50 of about 200; 30 %
@@ -19,20 +21,33 @@ and the clients:
   provider's rate-limit headers;
 - **relay, neither**: the provider sends no rate-limit header at all (its 429s still say
   "try again in …" in their body), relay has only ``rpm = 100``;
-- **direct**: the client talks to the provider itself.
+- **direct**: the client talks to the provider itself;
+- **3 relays shared, budgets configured** and **3 relays shared, headers only**: three
+  ``relay.serve`` in this process, each with its own config naming the same provider with
+  ``shared = true`` (SPEC L11) and the same figures as the two rows above, coordinated
+  through one ``redis-server`` the bench starts on a free loopback port (and stops at the
+  end; without ``redis-server`` on the PATH these rows are skipped, said so); the
+  workload's requests are dealt round-robin to the three relays' URLs (so every
+  6,000-token request of the burst goes to the first relay: the others see only small
+  ones; the headers-only warm-up: one small request through each relay). A coordination
+  server grants no slot within one lease of its own start (SPEC L11), so these wait out
+  the first ``LEASE_S`` seconds of the fresh server before their first request.
 
-Every relay has 32 lanes. The clients never retry. For each, it prints: upstream 429s,
-client-visible failures, achieved input tokens a minute as a share of the limit, the
-makespan against the theoretical minimum (total input / limit) and against a perfect
-pacer's (one that knows every request's exact size and starts each, in order, the moment
-the provider's buckets allow: a simulation of the same buckets), and p50/p99 latency.
-Each client has its own provider (fresh buckets); the four run side by side.
+``--only NAME[,NAME]`` runs the clients whose name contains one of the NAMEs (case
+ignored); every client by default. Every relay has 32 lanes (a shared provider's are
+counted across its three relays). The clients never retry. For each, it prints:
+upstream 429s, client-visible failures, achieved input tokens a minute as a share of the
+limit, the makespan against the theoretical minimum (total input / limit) and against a
+perfect pacer's (one that knows every request's exact size and starts each, in order,
+the moment the provider's buckets allow: a simulation of the same buckets), and p50/p99
+latency. Each client has its own provider (fresh buckets); they run side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import logging
 import statistics
@@ -50,20 +65,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from fake_metered import Bucket, Limits, Metered, prompt_tokens, prose, serve_metered  # noqa: E402
+from redis_server import REDIS, RedisServer  # noqa: E402
 
 import relay  # noqa: E402
 
 LIMITS = Limits(rpm=100, itpm=40_000, otpm=16_000)
 LANES = 32
+LEASE_S = 10.0  # the shared relays' coordination_lease_s (relay's default)
 FIRST_TOKEN_S = 0.3
 TOKENS_PER_S = 100.0
 
 CONFIG = """
 [server]
 records = "{records}"
+{server}
 [providers.p]
 adapter = "openai"
 base_url = "{url}/v1"
+{shared}
 [providers.p.profile]
 lanes = {lanes}
 queue_max = 1000
@@ -165,21 +184,23 @@ async def run_one(client: httpx.AsyncClient, url: str, job: Job, start: float,
     outcome.ended = trio.current_time()
 
 
-async def workload(url: str, jobs: list[Job]) -> list[Outcome]:
+async def workload(urls: list[str], jobs: list[Job]) -> list[Outcome]:
+    """Every job, each at its time, dealt round-robin to ``urls``."""
     limits = httpx.Limits(max_connections=500, max_keepalive_connections=500)
     async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(900.0),
                                  limits=limits) as client:
         outcomes = [Outcome(0.0) for _ in jobs]
         start = trio.current_time()
         async with trio.open_nursery() as nursery:
-            for job, outcome in zip(jobs, outcomes, strict=True):
+            for job, outcome, url in zip(jobs, outcomes, itertools.cycle(urls)):
                 nursery.start_soon(run_one, client, url, job, start, outcome)
     return outcomes
 
 
-async def warm_up(url: str) -> None:
+async def warm_up(urls: list[str]) -> None:
+    """Three small requests (dealt round-robin): relay sees the provider's headers."""
     async with httpx.AsyncClient(trust_env=False, timeout=60.0) as client:
-        for i in range(3):
+        for i, url in zip(range(3), itertools.cycle(urls)):
             r = await client.post(url, json={"model": "p/m-out20", "messages": [
                 {"role": "user", "content": f"hello {i}"}]})
             r.raise_for_status()
@@ -213,27 +234,51 @@ def row(client: str, name: str, jobs: list[Job], fake: Metered, before: tuple[in
                latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))])
 
 
-async def one_client(name: str, profile: str | None, headers: bool, jobs: dict[str, list[Job]],
-                     rows: list[Row], tmp: Path) -> None:
+@attrs.frozen
+class Client:
+    name: str
+    profile: str | None  # None: the client talks to the provider itself
+    headers: bool = True  # the provider sends its rate-limit headers
+    relays: int = 1       # more than one: that many relays share the provider (L11)
+
+
+async def one_client(client: Client, jobs: dict[str, list[Job]], rows: list[Row], tmp: Path,
+                     redis: RedisServer | None, quiet_until: float) -> None:
+    name = client.name
     async with trio.open_nursery() as nursery:
         fake: Metered = await nursery.start(functools.partial(
-            serve_metered, LIMITS, send_headers=headers))
+            serve_metered, LIMITS, send_headers=client.headers))
         fake.tokens_per_s, fake.first_token_s = TOKENS_PER_S, FIRST_TOKEN_S
-        if profile is None:  # (the provider ignores the "p/" of the model's name)
-            url = f"{fake.base_url}/v1/chat/completions"
+        if client.profile is None:  # (the provider ignores the "p/" of the model's name)
+            urls = [f"{fake.base_url}/v1/chat/completions"]
         else:
-            text = CONFIG.format(records=tmp / f"{name}.jsonl", url=fake.base_url,
-                                 lanes=LANES, profile=profile)
-            config = relay.parse_config(text, source=f"{name}.toml", base_dir=tmp)
-            served = await nursery.start(functools.partial(relay.serve, config, port=0))
-            url = f"{served.url}/v1/chat/completions"
+            urls = []
+            for n in range(client.relays):
+                server, shared = "", ""
+                if client.relays > 1:
+                    assert redis is not None
+                    prefix = "".join(c for c in name if c.isalnum())  # its own keys
+                    server = (f'coordination_url = "{redis.url}"\nrelay_id = "r{n}"\n'
+                              f'coordination_prefix = "{prefix}"\n'
+                              f"coordination_lease_s = {LEASE_S}")
+                    shared = "shared = true"
+                text = CONFIG.format(records=tmp / f"{name}.{n}.jsonl", url=fake.base_url,
+                                     lanes=LANES, profile=client.profile, server=server,
+                                     shared=shared)
+                config = relay.parse_config(text, source=f"{name}.{n}.toml", base_dir=tmp)
+                served = await nursery.start(functools.partial(relay.serve, config, port=0))
+                urls.append(f"{served.url}/v1/chat/completions")
+            if client.relays > 1:
+                # A coordination server grants nothing within one lease of its own start
+                # (SPEC L11's quiet period): a start-up cost, not the workload's.
+                await trio.sleep_until(quiet_until)
             if "headers" in name:
-                await warm_up(url)
+                await warm_up(urls)
         for n, (workload_name, plan) in enumerate(jobs.items()):
             if n:
                 await trio.sleep(61)  # the buckets fill again before the next workload
             before = (len(fake.rejected), fake.input_served)
-            outcomes = await workload(url, plan)
+            outcomes = await workload(urls, plan)
             rows.append(row(name, workload_name, plan, fake, before, outcomes))
         nursery.cancel_scope.cancel()
 
@@ -250,21 +295,57 @@ def print_table(rows: list[Row]) -> None:
               f"{r.p99:.1f} s |")
 
 
-async def main(steady_s: float) -> None:
+CONFIGURED = "rpm = 100\nitpm = 40000\notpm = 16000"
+CLIENTS = [
+    Client("relay, budgets configured", CONFIGURED),
+    Client("relay, headers only", ""),
+    Client("relay, neither", "rpm = 100", headers=False),
+    Client("direct", None),
+    Client("3 relays shared, budgets configured", CONFIGURED, relays=3),
+    Client("3 relays shared, headers only", "", relays=3),
+]
+
+
+def chosen(only: str | None) -> list[Client]:
+    if not only:
+        return CLIENTS
+    names = [n.strip().lower() for n in only.split(",") if n.strip()]
+    picked = [c for c in CLIENTS if any(n in c.name.lower() for n in names)]
+    if not picked:
+        raise SystemExit(f"--only {only}: no client's name contains it; the clients: "
+                         + "; ".join(c.name for c in CLIENTS))
+    return picked
+
+
+async def main(steady_s: float, only: str | None, keep: str | None) -> None:
     logging.getLogger("relay").setLevel(logging.WARNING)
+    clients = chosen(only)
+    if REDIS is None and any(c.relays > 1 for c in clients):
+        print("redis-server (or valkey-server) is not on the PATH: the shared rows ("
+              + "; ".join(c.name for c in clients if c.relays > 1) + ") are skipped "
+              "(apt-get install redis-server)", file=sys.stderr)
+        clients = [c for c in clients if c.relays == 1]
+        if not clients:
+            return
     jobs = {"burst": burst(), "steady": steady(steady_s)}
-    clients: list[tuple[str, str | None, bool]] = [
-        ("relay, budgets configured", "rpm = 100\nitpm = 40000\notpm = 16000", True),
-        ("relay, headers only", "", True),
-        ("relay, neither", "rpm = 100", False),
-        ("direct", None, True),
-    ]
     rows: list[Row] = []
     began = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        async with trio.open_nursery() as nursery:
-            for name, profile, headers in clients:
-                nursery.start_soon(one_client, name, profile, headers, jobs, rows, Path(tmp))
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = keep or scratch
+        redis = None
+        if any(c.relays > 1 for c in clients):
+            assert REDIS is not None
+            redis = RedisServer(REDIS, Path(tmp) / "redis")
+            redis.start()
+        quiet_until = trio.current_time() + LEASE_S + 0.5
+        try:
+            async with trio.open_nursery() as nursery:
+                for client in clients:
+                    nursery.start_soon(one_client, client, jobs, rows, Path(tmp), redis,
+                                       quiet_until)
+        finally:
+            if redis is not None:
+                redis.stop()
     total = {k: sum(prompt_tokens([{"role": "user", "content": j.content}]) for j in v)
              for k, v in jobs.items()}
     print(f"limits: {LIMITS.rpm:g} requests, {LIMITS.itpm:,.0f} input and "
@@ -280,5 +361,12 @@ async def main(steady_s: float) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steady-s", type=float, default=90.0)
+    parser.add_argument("--only", metavar="NAME[,NAME]",
+                        help="run only the clients whose name contains one of these "
+                        "(case ignored), e.g. 'shared' or 'direct,headers only'")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="keep the relays' records (<client>.<n>.jsonl) in DIR")
     args = parser.parse_args()
-    trio.run(main, args.steady_s)
+    if args.keep:
+        Path(args.keep).mkdir(parents=True, exist_ok=True)
+    trio.run(main, args.steady_s, args.only, args.keep)

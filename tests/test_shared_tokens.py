@@ -106,6 +106,19 @@ async def test_headers_seen_by_one_relay_budget_all_three(
                 r = await client.post(f"{relays[0].url}/v1/chat/completions", json={
                     "model": "p/m-out5", "messages": [{"role": "user", "content": "hi"}]})
                 assert r.status_code == 200
+            # What relay 0 heard is in another relay's status too (read at its renewals).
+            with trio.fail_after(10):
+                while True:
+                    status = (await client.get(f"{relays[2].url}/relay/v1/status")).json()
+                    budgets = status["providers"]["p"]["budgets"]
+                    if budgets is not None and "input" in budgets["budgets"]:
+                        break
+                    await trio.sleep(0.05)
+        assert budgets["shared"] is True
+        figures = budgets["budgets"]["input"]
+        assert figures["limit_per_minute"] == 60_000 and figures["source"] == "header"
+        assert 0 < figures["remaining"] <= 60_000
+        assert budgets["budgets"]["requests"]["limit_per_minute"] == 6000
         answers = await burst(relays, 14)
         assert [a.status_code for a in answers] == [200] * 14, [a.text[:300] for a in answers]
         assert fake.rejected == []
@@ -130,4 +143,52 @@ async def test_a_hold_one_relay_heard_holds_the_others(
         assert "retry-after: 45" in error["message"]
         assert 40 <= int(r.headers["retry-after"]) <= 45
         assert [q for q in fake.requests if q.method == "POST"] == []   # not sent
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_large_request_waiting_for_tokens_is_not_passed_by_later_small_ones(
+        tmp_path: Path, redis: RedisServer) -> None:
+    async with trio.open_nursery() as nursery:
+        # 12,000 input tokens a minute (200 a second), configured; no headers.
+        fake: Metered = await nursery.start(functools.partial(
+            serve_metered, Limits(rpm=6000, itpm=12_000, otpm=600_000), send_headers=False))
+        relays = await three(nursery, tmp_path, fake, redis, "itpm = 12000")
+        url = [f"{served.url}/v1/chat/completions" for served in relays]
+        async with httpx.AsyncClient(trust_env=False, timeout=60.0) as client:
+            drain = {"model": "p/m-out5", "max_tokens": 5, "messages": [
+                {"role": "user", "content": (prose(500, 1) + " ") * 19}]}
+            assert (await client.post(url[0], json=drain)).status_code == 200
+            left = 12_000 - fake.prompts[0]  # about 2,000 (and 200 more a second)
+            large = {"model": "p/m-out5", "max_tokens": 5, "stream": True, "messages": [
+                {"role": "user", "content": (prose(500, 2) + " ") * 6}]}  # ~3,000
+            seen: list[str] = []
+
+            async def stream_large() -> None:
+                async with client.stream("POST", url[0], json=large) as r:
+                    assert r.status_code == 200
+                    seen.extend([line async for line in r.aiter_lines()])
+
+            async def small(n: int) -> None:
+                r = await client.post(url[1 + n % 2], json={
+                    "model": "p/m-out5", "max_tokens": 5,
+                    "messages": [{"role": "user", "content": prose(100, 10 + n)}]})
+                assert r.status_code == 200, r.text
+
+            async with trio.open_nursery() as inner:
+                inner.start_soon(stream_large)
+                with trio.fail_after(10):  # until it holds its slot (and waits for tokens)
+                    while b"*1\r\n" not in redis.command("ZRANGE", "{relay:p}:h", "0", "-1"):
+                        await trio.sleep(0.01)
+                for n in range(8):  # each would fit at once: ~100 of the ~2,000 left
+                    inner.start_soon(small, n)
+        # The large request, first in the queue, started first (SPEC L9: no barging),
+        # though the small ones came to other relays and fitted sooner.
+        assert len(fake.prompts) == 10 and fake.rejected == []
+        assert fake.prompts[1] > left, fake.prompts
+        assert all(p < 200 for p in fake.prompts[2:]), fake.prompts
+        # Its stream said what it waited for, as a local lane's does.
+        assert any(line.startswith(": waiting for the provider's input tokens budget: ")
+                   for line in seen), seen
+        (rec,) = [r for r in records(relays[0], tmp_path, 0) if r["stream"]]
+        assert rec["token_wait_ms"] > 1000
         nursery.cancel_scope.cancel()

@@ -1,10 +1,11 @@
 """Token budgets on the coordination server (SPEC L12 on a shared provider, L11).
 
 A provider with ``shared = true`` keeps its token budgets and its hold where its lanes
-are kept: on the coordination server, in one hash per lane moved only by the Lua scripts
-below, on the server's clock (``TIME``), never a relay's. What any relay takes, settles
-and learns from a provider's headers (or its 429s, or a usage-window notice) moves the
-same buckets, so the relays sharing one key stay inside its limits together.
+are kept: on the coordination server, moved only by the Lua scripts of
+`relay.engine.shared_budget_scripts`, on the server's clock (``TIME``), never a relay's.
+What any relay takes, settles and learns from a provider's headers (or its 429s, or a
+usage-window notice) moves the same buckets, so the relays sharing one key stay inside
+its limits together.
 
 The buckets are `relay.engine.budget`'s: at most their limit (the lower of the configured
 figure a relay sends and the last header), refilled continuously; a header's
@@ -14,14 +15,22 @@ connection check's, and an answer begun after the hold began ends it.
 `SharedBudget.take` runs once the request holds its shared slot (`SharedLane.slot`): the
 slot is counted across relays first, then the tokens, so on a shared provider a holder
 may wait for tokens while it holds its slot (the provider's budget is every relay's: no
-other request could start in its place without overdrawing it). It asks again when the
-server says the need may fit, and at least every `SharedBudget.POLL_S` (another relay's
-settlement may free tokens sooner).
+other request could start in its place without overdrawing it). The holders that wait
+for tokens wait in one queue on the server, in the slots' order (priority class, then
+arrival), whichever relay they are on: only its head takes tokens, so a large request is
+never passed by smaller ones that came after it (SPEC L9). The head asks again when the
+server says its need may fit; a waiter behind it when the server wakes it (the head took
+its tokens or left, or a settlement gave tokens back: ``g <member>`` on its relay's
+wake-up channel, which `SharedLane.woken` hears); each at least every `POLL_S`, which
+also keeps its place (a relay that stops asking loses its waiters' places after
+`PLACE_S`). Its waiting notices say what it waits for (`waiting_for`).
 """
 
 from __future__ import annotations
 
+import collections
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -30,148 +39,32 @@ from relay.vocab.errors import RelayError
 from relay.vocab.limits import RateLimits
 
 from .budget import Need, too_large
+from .shared_budget_scripts import SCRIPTS
 
 if TYPE_CHECKING:
-    from .shared_lane import SharedLane
+    from .shared_lane import SharedLane, _Member
 
-__all__ = ["SCRIPTS", "TOKENS_SEEN", "TOKENS_SETTLE", "TOKENS_TAKE", "SharedBudget"]
+__all__ = ["SCRIPTS", "SharedBudget"]
 
-
-# One hash per lane, ``KEYS[1]`` = ``{prefix:lane}:b``: for each budget (``requests``,
-# ``tokens``, ``input``, ``output``) its header limit (``<kind>:hdr``), level
-# (``<kind>:lvl``) and the server time it was last refilled (``<kind>:at``, ms); the hold
-# (``hold`` until, ms; ``hold_cause``, ``hold_reason``, ``hold_since``). The buckets are
-# the local `Budget`'s, on the server's clock: at most the limit (the lower of the
-# configured figure a relay sends and the last header), refilled at limit / 60,000 a ms.
-# The hash expires an hour after its last use.
-
-_BUDGET_PRELUDE = r"""
-local B = KEYS[1]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local KINDS = {'requests', 'tokens', 'input', 'output'}
-
-local function limit_of(kind, cfg)
-  local hdr = tonumber(redis.call('HGET', B, kind .. ':hdr') or '0')
-  cfg = tonumber(cfg or '0')
-  if cfg > 0 and hdr > 0 then return math.min(cfg, hdr) end
-  if cfg > 0 then return cfg end
-  return hdr
-end
-
-local function level_of(kind, limit)
-  local lvl = tonumber(redis.call('HGET', B, kind .. ':lvl') or 'nan')
-  local at = tonumber(redis.call('HGET', B, kind .. ':at') or '0')
-  if lvl == nil or lvl ~= lvl then return limit end
-  return math.min(limit, lvl + (now - at) * limit / 60000)
-end
-
-local function store(kind, lvl)
-  redis.call('HSET', B, kind .. ':lvl', tostring(lvl), kind .. ':at', tostring(now))
-end
-"""
-
-# ARGV: need_in, need_out, configured tpm, itpm, otpm, probe (1: a connection check).
-# Reply: {0} started (the need is taken); {wait_ms, 'hold', cause, reason} held;
-# {wait_ms, '<kind> <free> <want>'} not yet; {-1, kind, cost, limit} too large for a
-# whole minute.
-TOKENS_TAKE = _BUDGET_PRELUDE + r"""
-local need_in, need_out = tonumber(ARGV[1]), tonumber(ARGV[2])
-local cfg = {requests = '0', tokens = ARGV[3], input = ARGV[4], output = ARGV[5]}
-local cost = {requests = 1, tokens = need_in + need_out, input = need_in, output = need_out}
-local wait, what = 0, ''
-local hold = tonumber(redis.call('HGET', B, 'hold') or '0')
-if ARGV[6] ~= '1' and hold > now then
-  local said = redis.call('HMGET', B, 'hold_cause', 'hold_reason')
-  return {hold - now, 'hold', said[1] or '', said[2] or 'rate_limited'}
-end
-local levels = {}
-for _, kind in ipairs(KINDS) do
-  local limit = limit_of(kind, cfg[kind])
-  if limit > 0 then
-    if kind ~= 'requests' and cost[kind] > limit then
-      return {-1, kind, cost[kind], tostring(limit)}
-    end
-    local lvl = level_of(kind, limit)
-    levels[kind] = lvl
-    local want = math.min(cost[kind], limit)
-    if lvl < want - 1e-6 then
-      local w = math.ceil((want - lvl) * 60000 / limit)
-      if w > wait then wait, what = w, kind .. ' ' .. math.floor(lvl) .. ' ' .. want end
-    end
-  end
-end
-redis.call('PEXPIRE', B, 3600000)
-if wait > 0 then return {wait, what} end
-for kind, lvl in pairs(levels) do store(kind, lvl - cost[kind]) end
-return {0}
-"""
-
-# ARGV: reserved in, reserved out, used in, used out, configured tpm, itpm, otpm.
-TOKENS_SETTLE = _BUDGET_PRELUDE + r"""
-local r_in, r_out, u_in, u_out = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
-                                 tonumber(ARGV[4])
-local cfg = {tokens = ARGV[5], input = ARGV[6], output = ARGV[7]}
-local back = {tokens = r_in + r_out - u_in - u_out, input = r_in - u_in, output = r_out - u_out}
-for kind, b in pairs(back) do
-  local limit = limit_of(kind, cfg[kind])
-  if limit > 0 then store(kind, math.min(limit, level_of(kind, limit) + b)) end
-end
-return {0}
-"""
-
-# ARGV: configured tpm, itpm, otpm; hold_ms (0: none), cause, reason, ok (1: an answer
-# began after any hold: it has lifted), began (ms ago it began), then (kind, limit,
-# remaining) triples ('' for a figure not said). A header's remaining only ever lowers a
-# level (a header may be late).
-TOKENS_SEEN = _BUDGET_PRELUDE + r"""
-local cfg = {requests = '0', tokens = ARGV[1], input = ARGV[2], output = ARGV[3]}
-local hold_ms, cause, reason, ok = tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7]
-local began = now - tonumber(ARGV[8])
-local i = 9
-while ARGV[i] do
-  local kind, limit, remaining = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-  if limit and limit > 0 then
-    local old = limit_of(kind, cfg[kind])
-    local lvl = old > 0 and level_of(kind, old) or limit
-    redis.call('HSET', B, kind .. ':hdr', tostring(limit))
-    local new = limit_of(kind, cfg[kind])
-    store(kind, math.min(new, lvl))
-  end
-  local now_limit = limit_of(kind, cfg[kind])
-  if remaining and now_limit > 0 then
-    local lvl = level_of(kind, now_limit)
-    if remaining < lvl then store(kind, remaining) end
-  end
-  i = i + 3
-end
-local hold = tonumber(redis.call('HGET', B, 'hold') or '0')
-if hold_ms > 0 and now + hold_ms > hold then
-  redis.call('HSET', B, 'hold', tostring(now + hold_ms), 'hold_cause', cause,
-             'hold_reason', reason, 'hold_since', tostring(now))
-elseif ok == '1' and hold > now then
-  local since = tonumber(redis.call('HGET', B, 'hold_since') or '0')
-  if began >= since then redis.call('HSET', B, 'hold', '0') end
-end
-redis.call('PEXPIRE', B, 3600000)
-return {0}
-"""
-
-SCRIPTS = {"TOKENS_TAKE": TOKENS_TAKE, "TOKENS_SETTLE": TOKENS_SETTLE,
-           "TOKENS_SEEN": TOKENS_SEEN}
-
+_WHAT = {"requests": "request starts", "tokens": "tokens", "input": "input tokens",
+         "output": "output tokens"}
 
 
 class SharedBudget:
     """One shared provider's token budgets and hold (see the module docstring)."""
 
     POLL_S = 1.0
+    PLACE_S = 5.0  # a token waiter's place lasts this long unless its relay asks again
 
     def __init__(self, lane: SharedLane) -> None:
         self.lane = lane
         coord = lane._coord
-        self._keys = ["{" + f"{coord.prefix}:{lane.name}" + "}:b"]
-        # (its three scripts, `SCRIPTS`, are the coordinator's to run, beside its own)
+        base = "{" + f"{coord.prefix}:{lane.name}" + "}"
+        self._keys = [f"{base}:b", f"{base}:t", f"{base}:tx"]
+        # (its scripts, `SCRIPTS`, are the coordinator's to run, beside its own)
+        self._waiting: dict[str, tuple[int, str]] = {}  # member -> (ahead, in words)
+        self._peeked: tuple[float, list[Any]] | None = None  # (when, TOKENS_PEEK's reply)
+        self._used: collections.deque[tuple[float, int]] = collections.deque()
 
     def _configured(self) -> list[str]:
         p = self.lane._local
@@ -182,24 +75,61 @@ class SharedBudget:
                                                        provider=self.lane.name)
         return reply
 
+    def waiting_for(self) -> str | None:
+        """What this relay's request nearest the head of the token queue waits for, in
+        words with its numbers (the waiting notices' text); None when none waits."""
+        return min(self._waiting.values())[1] if self._waiting else None
+
+    def _holder(self) -> _Member | None:
+        """The slot this task holds (`SharedBudget.take` runs inside it)."""
+        task = trio.lowlevel.current_task()
+        return next((m for m in self.lane._holders.values() if m.task is task), None)
+
     async def take(self, need: Need, *, deadline: float, leave_if_held: bool,
                    probe: bool) -> tuple[float, str | None]:
-        """Wait until ``need`` fits the shared budgets, and take it. Returns how long it
-        waited and the hold that delayed it (None: none did).
+        """Wait until ``need`` fits the shared budgets and this request heads the token
+        queue (priority class, then arrival, across relays), and take it. Returns how
+        long it waited and the hold that delayed it (None: none did).
 
         Raises:
             RelayError: ``request_too_large``; the hold's reason (a fallback to go to, or
                 the hold outlasts the queue timeout); ``provider_queue_timeout``;
                 ``coordination_unavailable``.
         """
+        m = self._holder()
+        member, rank = (m.member, m.rank) if m is not None else (
+            self.lane._coord.new_member(), 1)
+        try:
+            return await self._take(need, m, member, rank, deadline=deadline,
+                                     leave_if_held=leave_if_held, probe=probe)
+        except BaseException:
+            self._waiting.pop(member, None)
+            if not probe:  # its place goes, and the next in line is told (bounded)
+                # (noqa, ASYNC912: the call awaits the server's answer.)
+                with trio.CancelScope(shield=True,  # noqa: ASYNC912
+                                      deadline=trio.current_time()
+                                      + self.lane._coord.command_timeout_s):
+                    try:
+                        await self._call("TOKENS_LEAVE", member,
+                                         self.lane._coord.channel_prefix)
+                    except RelayError:
+                        pass  # its place ends PLACE_S after its last question
+            raise
+
+    async def _take(self, need: Need, m: _Member | None, member: str, rank: int, *,
+                    deadline: float, leave_if_held: bool, probe: bool
+                    ) -> tuple[float, str | None]:
         began = trio.current_time()
         held_by: str | None = None
         name = self.lane.name
         while True:
             reply = await self._call("TOKENS_TAKE", need.input, need.output,
-                                     *self._configured(), 1 if probe else 0)
+                                     *self._configured(), 1 if probe else 0, member, rank,
+                                     int(self.PLACE_S * 1000),
+                                     self.lane._coord.channel_prefix)
             code = int(reply[0])
             if code == 0:
+                self._waiting.pop(member, None)
                 return trio.current_time() - began, held_by
             if code < 0:
                 raise too_large(name, need, str(reply[1]), int(reply[2]), float(reply[3]))
@@ -214,17 +144,87 @@ class SharedBudget:
                         f"provider {name!r} holds every start for about {math.ceil(wait)} "
                         f"s more ({held_by}); {why}. This request was not sent.",
                         provider=name, retry_after_s=max(1.0, wait))
+            said = self._said(reply, wait)
             if now >= deadline:
                 raise RelayError(
                     "provider_queue_timeout", f"waited {now - began:.0f} s for provider "
-                    f"{name!r}'s shared token budget ({reply[1]}): this request was not "
+                    f"{name!r}'s shared token budget ({said}): this request was not "
                     f"sent. Retry in about {math.ceil(wait)} s.", provider=name,
                     retry_after_s=max(1.0, wait))
-            await trio.sleep(min(wait, self.POLL_S, max(0.0, deadline - now)))
+            self._waiting[member] = (int(reply[2]) if reply[1] == "queue" else 0, said)
+            if m is not None and not m.queued and m.on_queued is not None:
+                m.queued = True  # (its waiting notices now say what it waits for)
+                m.on_queued()
+            event = trio.Event()
+            if m is not None:
+                m.event = event  # set when the server says this head may go (`woken`)
+            with trio.move_on_after(min(wait, self.POLL_S, max(0.0, deadline - now))):
+                await event.wait()
+
+    def _said(self, reply: list[Any], wait: float) -> str:
+        """A `TOKENS_TAKE` reply that is not a start, in words."""
+        about = f"about {math.ceil(wait)} s"
+        if reply[1] == "hold":
+            cause = str(reply[2]) or "the provider said wait"
+            return f"waiting for the provider's hold ({cause}): no start for {about}"
+        if reply[1] == "queue":
+            return (f"waiting for the provider's token budget, behind {int(reply[2])} "
+                    f"earlier request(s) of the relays sharing it")
+        kind, free, want = str(reply[1]).split()
+        return (f"waiting for the provider's {_WHAT.get(kind, kind)} budget: "
+                f"{max(0, int(free)):,} of {int(float(want)):,} free, {about}")
 
     async def settle(self, need: Need, used_in: int, used_out: int) -> None:
         await self._call("TOKENS_SETTLE", need.input, need.output, used_in, used_out,
-                         *self._configured())
+                         *self._configured(), self.lane._coord.channel_prefix)
+        now = trio.current_time()
+        self._used.append((now, used_in + used_out))
+        while self._used and self._used[0][0] <= now - 60:
+            self._used.popleft()
+
+    # --- visibility ---------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Read the budgets as they stand on the server (`SharedLane.sync` does, at each
+        renewal): what `status` shows.
+
+        Raises:
+            RelayError: ``coordination_unavailable``.
+        """
+        self._peeked = (trio.current_time(), await self._call("TOKENS_PEEK",
+                                                              *self._configured()))
+
+    def status(self, iso: Callable[[float | None], str | None]) -> dict[str, Any] | None:
+        """The provider's ``budgets`` object of the status, as `Budget.status`'s, from
+        the last renewal's reading (``as_of``); ``used_last_minute``: this relay's own."""
+        if self._peeked is None:
+            return None
+        at, reply = self._peeked
+        now = trio.current_time()
+        configured = dict(zip(("tokens", "input", "output"),
+                              (float(f) for f in self._configured()), strict=True))
+        budgets: dict[str, Any] = {}
+        for i in range(3, len(reply), 4):
+            kind, limit, level, header = (str(reply[i]), float(reply[i + 1]),
+                                          float(reply[i + 2]), float(reply[i + 3]))
+            figure = configured.get(kind, 0.0)
+            budgets[kind] = {
+                "limit_per_minute": limit,
+                "remaining": max(0, math.floor(min(limit, level + (now - at) * limit / 60))),
+                "source": "header" if header and (not figure or header <= figure)
+                else "configured",
+                "configured": figure or None, "header": header or None, "header_at": None}
+        left = float(reply[0]) / 1000 - (now - at)
+        per_minute = {k: v["limit_per_minute"] for k, v in budgets.items()}
+        return {
+            "budgets": budgets, "shared": True, "as_of": iso(at),
+            "token_waiters": int(reply[2]),  # every relay's holders waiting for tokens
+            "used_last_minute": sum(n for t, n in self._used if t > now - 60),
+            "reserved_output": None, "per_minute": [],
+            "hold": ({"until": iso(now + left), "left_s": round(left, 3),
+                      "cause": str(reply[1])} if left > 0 else None),
+            "tokens_limit": per_minute.get("tokens") or (
+                sum(per_minute.get(k, 0.0) for k in ("input", "output")) or None),
+        }
 
     async def seen(self, limits: RateLimits | None, *, ok: bool = False,
                    began_s_ago: float = 0.0, reason: str = "rate_limited") -> None:

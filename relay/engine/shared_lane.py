@@ -24,11 +24,10 @@ profile, the pacer); this object is one relay's view of it and keeps the contrac
   release that does not reach the server (or finds the lease already expired) marks the
   ticket ``lease_expired`` — the server takes the slot back at the lease's end.
 
-The numbers (`statistics`) are the global ones of the last reply from the server
-(every script returns them; a renewal at least every lease / 4). ``held_here`` counts
-this relay's holders. A reload that changes lanes, queue_max or rpm stores the new
-profile for every relay (`SYNC` in ``reload`` mode); the others apply it at their next
-renewal and log it.
+The numbers (`statistics`) are the global ones of the last reply from the server (a
+renewal at least every lease / 4), with what a holder waiting for tokens here waits for
+(`SharedBudget`). A reload that changes lanes, queue_max or rpm stores the new profile
+for every relay (`SYNC` in ``reload`` mode); the others apply it at their next renewal.
 """
 
 from __future__ import annotations
@@ -70,6 +69,8 @@ class _Member:
     queued: bool = False    # the server said it waits: renewals carry it from then on
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     lost: bool = False      # the server took its slot back
+    task: trio.lowlevel.Task = attrs.field(factory=trio.lowlevel.current_task)  # its own
+    on_queued: Callable[[], None] | None = None  # (the token queue's notices too)
 
 
 class SharedLane:
@@ -97,7 +98,7 @@ class SharedLane:
         self._idle = trio.Event()
         self._idle.set()
         coordinator.add(self)
-        self.tokens = SharedBudget(self)  # SPEC L12: the budgets, on the server too
+        self.tokens = self.budget = SharedBudget(self)  # SPEC L12: on the server too
 
     # --- what the relay reads -----------------------------------------------------------
     @property
@@ -112,7 +113,8 @@ class SharedLane:
     def statistics(self) -> LaneStatistics:
         lanes, queue_max, _ = self._stored
         return LaneStatistics(running=max(self._running, len(self._holders)),
-                              capacity=lanes, queued=self._queued, queue_max=queue_max)
+                              capacity=lanes, queued=self._queued, queue_max=queue_max,
+                              waiting_for=self.tokens.waiting_for())
 
     def estimate_wait_s(self) -> float:
         lanes, _, rpm = self._stored
@@ -178,7 +180,8 @@ class SharedLane:
         if not self._coord.available:
             raise self._coord.unavailable(self.name)
         now = trio.current_time()
-        m = _Member(self._coord.new_member(), rank, Ticket(priority=priority, queued_at=now))
+        m = _Member(self._coord.new_member(), rank, Ticket(priority=priority, queued_at=now),
+                    on_queued=on_queued)
         self._waiters[m.member] = m  # before the call: a grant may be published at once
         self._busy()
         try:
@@ -290,7 +293,7 @@ class SharedLane:
 
     # --- what the coordinator tells it --------------------------------------------------
     def woken(self, member: str) -> bool:
-        m = self._waiters.get(member)
+        m = self._waiters.get(member) or self._holders.get(member)  # (a holder: tokens)
         if m is None:
             return False
         m.granted = True
@@ -361,6 +364,7 @@ class SharedLane:
         if int(reclaimed):
             logger.info("shared lane %s: %d slot(s) whose lease had expired were taken back",
                         self.name, int(reclaimed))
+        await self.tokens.refresh()  # (what the status shows of the budgets: SPEC L12)
 
     def _mismatch(self, reply: list[Any], at_start: bool) -> None:
         problem = mismatch_problem(self.name, self._stored, reply[1:5], self._coord)
@@ -377,7 +381,6 @@ class SharedLane:
             logger.warning("shared lane %s: the reloaded profile could not be stored (%s); "
                            "it is kept here and stored at the next renewal", self.name,
                            exc.message)
-            return
 
     # --- helpers --------------------------------------------------------------------------
     def _busy(self) -> None:
