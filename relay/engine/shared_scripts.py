@@ -101,7 +101,7 @@ end
 local function paced_until()
   if S.rpm <= 0 then return -1e15 end
   local n = math.max(1, math.floor(S.rpm))
-  local nth = redis.call('ZREVRANGE', P, n - 1, n - 1, 'WITHSCORES')
+  local nth = redis.call('ZRANGE', P, -n, -n, 'WITHSCORES')
   if not nth[2] then return -1e15 end
   return tonumber(nth[2]) + 60000 * n / S.rpm
 end
@@ -110,8 +110,10 @@ local function grant(member)
   local l = tonumber(redis.call('HGET', M, 'l:' .. owner(member)) or lease)
   redis.call('ZADD', P, now, member)
   -- Older than a minute a start never counts again (this one is the last).
-  local old = redis.call('ZCOUNT', P, '-inf', '(' .. (now - 60000))
-  if old > 0 then redis.call('ZREMRANGEBYRANK', P, 0, old - 1) end
+  -- (only the commands of the documented ACL line: ZRANGEBYSCORE and ZREM)
+  for _, old in ipairs(redis.call('ZRANGEBYSCORE', P, '-inf', '(' .. (now - 60000))) do
+    redis.call('ZREM', P, old)
+  end
   redis.call('ZADD', H, now + l, member)
 end
 
