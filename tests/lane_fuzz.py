@@ -543,19 +543,25 @@ class _Fuzz:
                         f"{v.queued_at:g} and {v.outcome} at {out:g}"))
 
 
-def _random_profile(rng: random.Random, grid: float | None, scale: float = 1.0) -> Profile:
-    timeout = rng.choice([1.0, 2.0, 5.0, 10.0, 30.0]) * scale
+def _random_profile(rng: random.Random, grid: float | None, scale: float = 1.0,
+                    paced: bool = False) -> Profile:
+    # paced: the pacer binds nearly all the time, and waiters outlive its window (a
+    # sliding minute holds a free slot back for tens of seconds, longer than the usual
+    # queue timeouts: the states where a leaving head must hand off again are reached).
+    timeout = rng.choice([60.0, 120.0] if paced else [1.0, 2.0, 5.0, 10.0, 30.0]) * scale
     return Profile(lanes=rng.randint(1, 4), queue_max=rng.choice([0, 1, 2, 4, 8, 16, 64]),
                    queue_timeout_s=timeout, run_timeout_s=600.0,
                    # (a window of few starts binds often: 0.5 and 1 are one start a
                    # window, as the old one-start-every-60/rpm-s pacer was)
-                   rpm=rng.choice([0.0, 0.0, 0.5, 1.0, 2.0, 3.0, 6.0, 12.0, 60.0, 120.0])
+                   rpm=rng.choice([1.0, 2.0, 3.0, 4.0] if paced else
+                                  [0.0, 0.0, 0.5, 1.0, 2.0, 3.0, 6.0, 12.0, 60.0, 120.0])
                    / scale)
 
 
 async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
                      reload_rpm: bool = True, slack: float = 0.0,
-                     scale: float = 1.0, tokens: bool = False) -> FuzzReport:
+                     scale: float = 1.0, tokens: bool = False,
+                     paced: bool = False) -> FuzzReport:
     """One seeded run. Must run on a MockClock that autojumps (threshold 0), unless
     ``slack`` > 0: then in real time (see the module docstring).
 
@@ -568,10 +574,11 @@ async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
         scale: every duration of the run (timeouts, runs, the pacer's gap) times this.
         tokens: an input token budget too (``itpm``, SPEC L12; a local lane only): each
             request needs a random part of it and settles to a random use.
+        paced: profiles where the pacer binds (few starts a minute, long queue timeouts).
     """
     rng = random.Random(seed)
     grid = 0.5 * scale if seed % 2 == 0 else None
-    profile = _random_profile(rng, grid, scale)
+    profile = _random_profile(rng, grid, scale, paced)
     if tokens:
         profile = attrs.evolve(profile, itpm=float(rng.choice([60, 600, 6000])))
     report = FuzzReport(seed=seed, profile=_profile_str(profile))
@@ -588,7 +595,7 @@ async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
                     roll = rng.random()
                     if roll < 0.04:
                         fuzz.before_reload, fuzz.reloaded_at = fuzz.profile, trio.current_time()
-                        fresh = attrs.evolve(_random_profile(rng, grid, scale),
+                        fresh = attrs.evolve(_random_profile(rng, grid, scale, paced),
                                              itpm=fuzz.profile.itpm)
                         if not reload_rpm:
                             fresh = attrs.evolve(fresh, rpm=fuzz.profile.rpm)

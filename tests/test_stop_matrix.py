@@ -43,7 +43,8 @@ records = "records.jsonl"
 write_timeout_s = 3
 drain_grace_s = {DRAIN_GRACE_S}
 """
-    for name, extra in [("up", ""), ("paced", "rpm = 20\n")]:
+    # rpm = 1: at most one start in any 60 s, so the second request waits on the pacer.
+    for name, extra in [("up", ""), ("paced", "rpm = 1\n")]:
         text += f"""
 [providers.{name}]
 adapter = "openai"
@@ -51,7 +52,7 @@ base_url = "{up.url}"
 [providers.{name}.profile]
 lanes = {1 if name == "up" else 2}
 queue_max = 4
-queue_timeout_s = 20
+queue_timeout_s = 90
 run_timeout_s = {run}
 {extra}"""
     text += f"""
@@ -121,7 +122,7 @@ async def test_stop(state: str, stop: str, tmp_path: Path, upstream: FakeUpstrea
         if state == "queued":   # the only lane is taken by a stalled stream
             holders.append(await raw_post(served.url, chat("up/stall", stream=True)))
             await wait_for(lambda: served.relay.providers["up"].lane.statistics().running)
-        if state == "pacing":   # the pacer's one start per 3 s is spent
+        if state == "pacing":   # the pacer's one start a minute is spent
             holders.append(await raw_post(served.url, chat("paced/m1")))
             await read_until(holders[-1], b"Hello world")
         before = len(upstream.requests)
