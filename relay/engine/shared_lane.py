@@ -90,6 +90,7 @@ class SharedLane:
         self.problem: str | None = None  # a profile mismatch found after start
         self._waiters: dict[str, _Member] = {}
         self._holders: dict[str, _Member] = {}
+        self._leaving = 0  # members telling the server they leave or release (wait_idle)
         self._running = 0
         self._queued = 0
         self._pump_at = math.inf
@@ -132,7 +133,7 @@ class SharedLane:
 
     async def wait_idle(self) -> None:
         await trio.lowlevel.checkpoint()
-        while self._holders or self._waiters:
+        while self._holders or self._waiters or self._leaving:
             await self._idle.wait()
 
     async def claim_check(self, interval_s: float) -> bool:
@@ -222,8 +223,16 @@ class SharedLane:
                 if m.gone:
                     raise self._lost_error(m, waiting=True)
                 now = trio.current_time()
-                if now >= self._coord.lost_at:
-                    raise self._coord.unavailable(self.name)
+                wake_at = self._coord.lost_at
+                if now >= wake_at:
+                    # A holder stops here; a waiter holds nothing the server could give
+                    # twice, so a renewal that is only late (a busy event loop) does not
+                    # fail it: it asks for one now and waits until its place's lease ends.
+                    wake_at = self._coord.renewed_at + self._coord.lease_s
+                    if not self._coord.available or now >= wake_at:
+                        raise self._coord.unavailable(self.name, None if not self._coord.available
+                                                      else "no renewal within a lease")
+                    self._coord.renew_soon()
                 if now >= self._pump_at and not self._pumping:
                     self._pump_at = math.inf
                     self._pumping = True
@@ -233,7 +242,7 @@ class SharedLane:
                         self._pumping = False
                     continue
                 event = m.event = trio.Event()
-                with trio.move_on_at(min(self._pump_at, self._coord.lost_at)):
+                with trio.move_on_at(min(self._pump_at, wake_at)):
                     await event.wait()
         if not m.granted:
             # Its queue timeout: leave (bounded; a grant that landed meanwhile goes back).
@@ -252,10 +261,13 @@ class SharedLane:
         # Until the server has heard it, the renewal loop tries again (a ghost waiter at
         # the head of the queue would be granted a slot that idles for a lease).
         self._coord.orphans[m.member] = (self, script, trio.current_time())
+        self._leaving += 1  # still this relay's business until the server has heard it
         try:
             status = await self._call(script, m.member)
         except RelayError:
             return None
+        finally:
+            self._leaving -= 1
         self._coord.orphans.pop(m.member, None)
         m.on_server = False
         return status if status != "stale" else "released"  # the state it was in is gone
@@ -388,7 +400,7 @@ class SharedLane:
             self._idle = trio.Event()
 
     def _maybe_idle(self) -> None:
-        if not self._holders and not self._waiters:
+        if not self._holders and not self._waiters and not self._leaving:
             self._idle.set()
 
     def _lost_error(self, m: _Member, *, waiting: bool = False) -> RelayError:
