@@ -24,9 +24,11 @@ from test_cli import run_relay, write
 from webdriver import open_browser
 
 from relay import Relay, open_relay
-from relay.engine.budget import estimate_input
+from relay.engine.budget import Budget, Need, estimate_input
 from relay.engine.lanes import Lane
 from relay.vocab.events import Call
+from relay.vocab.limits import RateLimits, Window
+from relay.vocab.profile import Profile
 
 
 @pytest.fixture
@@ -149,6 +151,36 @@ async def test_configured_budgets_keep_a_burst_inside_the_limits_with_notices_th
 
 
 # --- header-learned budgets ---------------------------------------------------------------
+
+def test_a_header_does_not_forget_what_relay_started_after_the_answering_request() -> None:
+    # bench/tokens.py's burst met a 429: the first stream's header (the provider had
+    # counted only that request) raised relay's configured budget back up while relay
+    # was still starting the rest of the burst. The budget itself, on a clock it is
+    # given (a pure object: the race is in when a header arrives, not in the wire).
+    now = [0.0]
+    profile = Profile(lanes=8, queue_max=8, queue_timeout_s=60, run_timeout_s=60, itpm=3000)
+    budget = Budget(profile, lambda: now[0])
+    first = budget.reserve(Need(600, 0))
+    now[0] = 0.001
+    second = budget.reserve(Need(600, 0))   # started before the first's header came back
+    assert first is not None and second is not None
+    said = RateLimits({"input": Window(limit=3000, remaining=2400)})  # only the first
+    budget.observe(said, started_at=0.0, ok=True, own=first)
+    level = budget.status(lambda t: None)["budgets"]["input"]["remaining"]
+    assert level <= 3000 - 1200 + 1       # not 2,400: the second is still taken
+
+    # A header lower than relay's count (another client of the key spent 1,400) sets
+    # the budget to it, less what started after the answering request.
+    budget = Budget(profile, lambda: now[0])
+    now[0] = 0.0
+    first = budget.reserve(Need(600, 0))
+    now[0] = 0.001
+    budget.reserve(Need(600, 0))
+    said = RateLimits({"input": Window(limit=3000, remaining=1000)})
+    budget.observe(said, started_at=0.0, ok=True, own=first)
+    level = budget.status(lambda t: None)["budgets"]["input"]["remaining"]
+    assert 1000 - 600 - 1 <= level <= 1000 - 600 + 1
+
 
 @pytest.mark.parametrize("kind", ["openai", "anthropic"])
 async def test_budgets_learned_from_headers_alone_keep_a_burst_inside_the_limits(

@@ -123,6 +123,7 @@ class Budget:
         self._clock = clock
         self._buckets: dict[str, _Bucket] = {}
         self._outstanding_out = 0  # output tokens reserved by requests in flight
+        self._inflight: set[Reservation] = set()  # reservations not yet settled
         self._tightened_at = -math.inf  # when a header last lowered a level
         # After a hold, one request goes first; the rest wait until its answer comes
         # back (a 200), so a provider that said nothing more meets one 429 a window.
@@ -220,6 +221,7 @@ class Budget:
             bucket.level -= need.cost(kind)
         self._outstanding_out += need.output
         reservation = Reservation(need, now)
+        self._inflight.add(reservation)
         if self._probe_due and self.hold_left(now) <= 0:
             self._probe_due, self._probe = False, reservation
         return reservation
@@ -237,6 +239,7 @@ class Budget:
         if reservation is None or reservation.settled:
             return
         reservation.settled = True
+        self._inflight.discard(reservation)
         if reservation is self._probe:
             self._probe = None  # it ended without a 429 (a 429 set a new hold first)
         now = self._clock()
@@ -270,14 +273,18 @@ class Budget:
 
     # --- what the provider said -------------------------------------------------------------
     def observe(self, limits: RateLimits | None, *, started_at: float | None = None,
-                ok: bool = False, reason: str = "rate_limited") -> None:
-        """An answer's rate-limit headers (and hold); see the module docstring."""
+                ok: bool = False, reason: str = "rate_limited",
+                own: Reservation | None = None) -> None:
+        """An answer's rate-limit headers (and hold); see the module docstring.
+        ``started_at``: when the answering attempt started (None: not known); ``own``:
+        its reservation (what relay started since may not be in the provider's count)."""
         now = self._clock()
         if limits is not None:
             for kind, window in limits.windows.items():
                 if kind not in KINDS:
                     continue
                 bucket = self._buckets.get(kind)
+                created = bucket is None
                 if window.limit:
                     if bucket is None:
                         bucket = self._buckets[kind] = _Bucket()
@@ -285,16 +292,17 @@ class Budget:
                     bucket.header, bucket.header_at = window.limit, now
                 if bucket is None or window.remaining is None:
                     continue
-                fresh = bucket.remaining_said is None and bucket.header_at == now
                 bucket.refill(now)
                 bucket.remaining_said = window.remaining
                 pending = self._outstanding_out if kind in ("tokens", "output") else 0
                 said = min(bucket.limit, window.remaining - pending)
-                # The provider's count only ever tightens relay's (a header may be late:
-                # requests relay started since may not be in it); settlements bring
-                # relay's own count to the usage the answers report.
-                if fresh or said < bucket.level:
-                    bucket.level = said
+                # The provider's count only ever tightens relay's (or starts it, for a
+                # budget only the headers tell of). Then what relay started after the
+                # answering request is taken too: it may not be in that count yet (a
+                # burst's first answers come back while relay is still starting the
+                # rest). Settlements bring relay's own count to the usage answers report.
+                if created or said < bucket.level:
+                    bucket.level = said - self._late(kind, started_at, own)
                     self._tightened_at = now
             if limits.hold_s is not None and limits.hold_s > 0:
                 self.hold(now + limits.hold_s, limits.cause or "the provider said wait",
@@ -305,6 +313,15 @@ class Budget:
                     and started_at >= self.hold_state.since):
                 self.hold_state = None  # an answer begun after the hold: it has lifted
         self.on_change()
+
+    def _late(self, kind: str, started_at: float | None, own: Reservation | None) -> int:
+        """What requests started since ``started_at`` (all, when None) take of a budget
+        of ``kind``, ``own`` (the answering request's) aside; output is counted apart."""
+        late = [r for r in self._inflight
+                if r is not own and (started_at is None or r.at >= started_at)]
+        if kind == "requests":
+            return len(late)
+        return sum(r.need.input for r in late) if kind in ("input", "tokens") else 0
 
     def hold(self, until: float, cause: str, reason: str = "rate_limited") -> None:
         now = self._clock()

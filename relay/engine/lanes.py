@@ -147,9 +147,10 @@ class Lane:
                     waiter.event.set()
 
     def observe(self, limits: RateLimits | None, *, started_at: float | None = None,
-                ok: bool = False, reason: str = "rate_limited") -> None:
+                ok: bool = False, reason: str = "rate_limited",
+                own: Reservation | None = None) -> None:
         """What an answer said of the provider's limits (SPEC L12)."""
-        self.budget.observe(limits, started_at=started_at, ok=ok, reason=reason)
+        self.budget.observe(limits, started_at=started_at, ok=ok, reason=reason, own=own)
 
     def settle(self, ticket: Ticket, used_in: int, used_out: int) -> None:
         """Move the ticket's reservation to what the answer used (SPEC L12)."""

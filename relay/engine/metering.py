@@ -67,8 +67,6 @@ def slot(dispatcher: Dispatcher, run_: Run, on_queued: Callable[[], None]
                             probe=dispatcher.record.route == "(check)")
     if not isinstance(lane, Lane):
         return lane.slot(priority, on_queued=on_queued)
-    # (Over the attempt's record, not the run: the sink is the run's, no cycle.)
-    run_.sink.on_limits = functools.partial(_limits_seen, lane, run_.record)
     return lane.slot(priority, on_queued=on_queued, need=need_of(run_, lane),
                      leave_if_held=run_.has_fallback,
                      probe=dispatcher.record.route == "(check)")
@@ -118,9 +116,10 @@ async def _shielded(fn: Callable[[], Any], lane: SharedLane) -> None:
                            exc.message)
 
 
-def _limits_seen(lane: Lane, attempt: Attempt, limits: RateLimits) -> None:
+def _limits_seen(lane: Lane, attempt: Attempt, own: Reservation | None,
+                 limits: RateLimits) -> None:
     """A 200's rate-limit headers (an attempt begun after a hold began: it has lifted)."""
-    lane.observe(limits, started_at=attempt.started, ok=True)
+    lane.observe(limits, started_at=attempt.started, ok=True, own=own)
 
 
 async def run(adapter: Adapter, lane: LaneLike, ticket: Ticket, run_: Run,
@@ -134,10 +133,14 @@ async def run(adapter: Adapter, lane: LaneLike, ticket: Ticket, run_: Run,
     if not isinstance(lane, Lane):
         await adapter.run(run_.call, run_.sink)
         return
+    # (Over the attempt's record, not the run: the sink is the run's, no cycle.)
+    run_.sink.on_limits = functools.partial(_limits_seen, lane, run_.record,
+                                            ticket.reservation)
     try:
         await adapter.run(run_.call, run_.sink)
     except RelayError as exc:
-        lane.observe(exc.limits, reason=exc.reason)  # a hold stops the next start
+        # a hold stops the next start
+        lane.observe(exc.limits, reason=exc.reason, own=ticket.reservation)
         settle(lane, ticket, run_, record, exc)
         raise
     finally:
