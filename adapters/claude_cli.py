@@ -122,6 +122,7 @@ def _quota(provider: str, words: str) -> RelayError:
                        action="wait until the usage limit resets")
     reset = usage_reset_s(words)
     if reset:  # SPEC L12: no start on this provider until the reset
+        error.retry_after_s = reset  # (not the reason's 10 minutes: the notice said when)
         error.limits = RateLimits(hold_s=reset, cause=f"claude's usage-limit notice: "
                                   f"{words[:120]}")
     return error

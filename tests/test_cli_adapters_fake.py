@@ -293,16 +293,19 @@ async def test_disguised_failures_in_a_success_result(
                 resp = await post(client, served, chat(f"{mode}/{scenario}", stream=stream))
                 error = check_error(resp, 429, "quota_exhausted")
                 assert error["type"] == "insufficient_quota"
-                if scenario == "success-hitlimit" and stream:
-                    # Held until the reset the notice named (3:30am Calcutta, hours away):
-                    # not started, told when.
+                if scenario == "success-hitlimit":
+                    # The notice named its reset (3:30am Calcutta, hours away): the
+                    # request that met it is told that, not the reason's 10 minutes; the
+                    # next is held until then: not started, told when.
                     reset = usage_reset_s(NOTICES[scenario])
                     assert reset is not None
                     assert abs(int(resp.headers["retry-after"]) - reset) <= 5
-                    assert "holds every start" in error["message"]
-                    assert NOTICES[scenario] in error["message"]
-                    continue
-                assert resp.headers["retry-after"] == "600"
+                    if stream:
+                        assert "holds every start" in error["message"]
+                        assert NOTICES[scenario] in error["message"]
+                        continue
+                else:
+                    assert resp.headers["retry-after"] == "600"  # (said no time)
                 if scenario in NOTICES:
                     assert NOTICES[scenario] in error["relay"]["upstream_message"]
 
