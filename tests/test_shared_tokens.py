@@ -192,3 +192,26 @@ async def test_a_large_request_waiting_for_tokens_is_not_passed_by_later_small_o
         (rec,) = [r for r in records(relays[0], tmp_path, 0) if r["stream"]]
         assert rec["token_wait_ms"] > 1000
         nursery.cancel_scope.cancel()
+
+
+async def test_a_shared_provider_reserves_a_learned_percentile_of_its_answers(
+        tmp_path: Path, redis: RedisServer) -> None:
+    # SPEC L12: no max_tokens anywhere: the output reservation is the floor (256) until
+    # three answers have been reported, then their 90th percentile (1,000 here), on a
+    # shared provider as on a local one (each relay learns from its own answers).
+    async with trio.open_nursery() as nursery:
+        fake: Metered = await nursery.start(functools.partial(
+            serve_metered, Limits(rpm=6000, itpm=60_000, otpm=600_000)))
+        (tmp_path / "r0").mkdir()
+        served = await start_relay(nursery, shared(fake.base_url, redis.url, "r0",
+                                                   "itpm = 60000\notpm = 600000"),
+                                   tmp_path / "r0")
+        async with httpx.AsyncClient(trust_env=False, timeout=60.0) as client:
+            for _ in range(4):
+                r = await client.post(f"{served.url}/v1/chat/completions", json={
+                    "model": "p/m-out1000", "messages": [{"role": "user", "content": "hi"}]})
+                assert r.status_code == 200, r.text
+        reserved = [rec["tokens_reserved"] for rec in records(served, tmp_path, 0)]
+        assert reserved[1:3] == reserved[:2]           # the floor, three times
+        assert reserved[3] - reserved[0] == 1000 - 256  # then what the answers were
+        nursery.cancel_scope.cancel()

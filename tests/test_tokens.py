@@ -328,6 +328,23 @@ fallbacks = ["big/m-out10"]
 
 # --- settlement ---------------------------------------------------------------------------
 
+async def test_the_output_reservation_is_a_learned_percentile_of_the_models_answers(
+        nursery: trio.Nursery, clock: trio.testing.MockClock, fake: Metered,
+        tmp_path: Path) -> None:
+    # SPEC L12: no max_tokens anywhere: the floor (256) until three answers have been
+    # reported, then their 90th percentile; a request's own max_tokens still wins.
+    async with relay_for(tmp_path, config(fake.base_url, "itpm = 30000\notpm = 30000")) as r:
+        for body in [ask("hi", model="p/m-out1000")] * 4 + [
+                ask("hi", model="p/m-out1000", max_tokens=50)]:
+            res = send(nursery, r, body)
+            await res.done.wait()
+            assert ok(res)
+    reserved = [rec["tokens_reserved"] for rec in records(tmp_path)]
+    assert reserved[1:3] == reserved[:2]            # the floor, three times
+    assert reserved[3] - reserved[0] == 1000 - 256   # then what the answers were
+    assert reserved[4] - reserved[0] == 50 - 256     # its own limit
+
+
 async def test_a_stopped_request_settles_to_what_was_sent_and_read(
         nursery: trio.Nursery, clock: trio.testing.MockClock, fake: Metered,
         tmp_path: Path) -> None:

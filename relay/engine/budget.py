@@ -41,8 +41,8 @@ from relay.vocab.profile import Profile
 
 from .estimate import OUTPUT_FLOOR, estimate_input, estimate_text, output_reservation
 
-__all__ = ["OUTPUT_FLOOR", "Budget", "Need", "Reservation", "estimate_input", "estimate_text",
-           "held_error", "output_reservation", "too_large", "too_large_error"]
+__all__ = ["OUTPUT_FLOOR", "Budget", "Learned", "Need", "Reservation", "estimate_input",
+           "estimate_text", "held_error", "output_reservation", "too_large", "too_large_error"]
 
 # (The estimate lives in `relay.engine.estimate`; re-exported here, where it is used.)
 
@@ -116,6 +116,28 @@ class Hold:
     reason: str = "rate_limited"  # or quota_exhausted: a usage window (SPEC E2)
 
 
+class Learned:
+    """The lengths of a provider's recent reported answers, by model: the output
+    reservation of a request that sets no limit of its own (SPEC L12). Kept by each
+    relay, shared provider or not (a relay's own answers are sample enough)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, collections.deque[int]] = {}
+
+    def learn(self, model: str, output_tokens: int) -> None:
+        """A reported answer's length, for the output reservation of the next ones."""
+        seen = self._seen.setdefault(model, collections.deque(maxlen=LEARNED_SAMPLES))
+        seen.append(output_tokens)
+
+    def output(self, model: str) -> int | None:
+        """The 90th percentile of the model's last answers (None: fewer than 3)."""
+        seen = self._seen.get(model)
+        if not seen or len(seen) < 3:
+            return None
+        ordered = sorted(seen)
+        return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+
+
 class Budget:
     """One provider's token and request budgets (see the module docstring)."""
 
@@ -129,7 +151,7 @@ class Budget:
         # back (a 200), so a provider that said nothing more meets one 429 a window.
         self._probe_due = False
         self._probe: Reservation | None = None
-        self._learned: dict[str, collections.deque[int]] = {}
+        self.learned = Learned()  # the output reservation's percentile (SPEC L12)
         self.hold_state: Hold | None = None
         self._minutes: collections.deque[tuple[int, int]] = collections.deque()
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
@@ -258,18 +280,6 @@ class Budget:
         if count:
             self._count(now, used_in + used_out)
         self.on_change()
-
-    def learn(self, model: str, output_tokens: int) -> None:
-        """A reported answer's length, for the output reservation of the next ones."""
-        seen = self._learned.setdefault(model, collections.deque(maxlen=LEARNED_SAMPLES))
-        seen.append(output_tokens)
-
-    def learned_output(self, model: str) -> int | None:
-        seen = self._learned.get(model)
-        if not seen or len(seen) < 3:
-            return None
-        ordered = sorted(seen)
-        return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
 
     # --- what the provider said -------------------------------------------------------------
     def observe(self, limits: RateLimits | None, *, started_at: float | None = None,

@@ -5,7 +5,7 @@ vocabulary); 4 tokens a message beyond its text, 3 for the reply's priming; tool
 definitions and calls by their JSON; an image part a flat `IMAGE_TOKENS`. docs/tokens.md
 says how it was made and how far off it was on the tests' corpora. The output reservation
 is the request's own limit, else the provider's, else a learned percentile of the model's
-answers (`relay.engine.budget.Budget.learned_output`), never below `OUTPUT_FLOOR`.
+answers (`relay.engine.budget.Learned`), never below `OUTPUT_FLOOR`.
 """
 
 from __future__ import annotations

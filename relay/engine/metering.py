@@ -32,7 +32,7 @@ from relay.vocab.limits import RateLimits
 from relay.vocab.records import Attempt, Record
 
 from .attempt import Delivered, Run
-from .budget import Need, Reservation, estimate_input, output_reservation
+from .budget import Learned, Need, Reservation, estimate_input, output_reservation
 from .lane_api import LaneLike
 from .lanes import Lane, Ticket
 from .plan import Target
@@ -46,11 +46,11 @@ __all__ = ["count_wait", "need_of", "run", "slot", "wait_out"]
 logger = logging.getLogger("relay.dispatch")
 
 
-def need_of(run_: Run, lane: Lane | None) -> Need:
+def need_of(run_: Run, learned_from: Learned) -> Need:
     """What the attempt takes from the provider's token budgets."""
     call = run_.call
     provider_max = getattr(run_.target.provider.config.settings, "max_tokens", None)
-    learned = lane.budget.learned_output(call.model) if lane is not None else None
+    learned = learned_from.output(call.model)
     return Need(estimate_input(call), output_reservation(
         call, learned, provider_max if isinstance(provider_max, int) else None))
 
@@ -67,7 +67,7 @@ def slot(dispatcher: Dispatcher, run_: Run, on_queued: Callable[[], None]
                             probe=dispatcher.record.route == "(check)")
     if not isinstance(lane, Lane):
         return lane.slot(priority, on_queued=on_queued)
-    return lane.slot(priority, on_queued=on_queued, need=need_of(run_, lane),
+    return lane.slot(priority, on_queued=on_queued, need=need_of(run_, lane.budget.learned),
                      leave_if_held=run_.has_fallback,
                      probe=dispatcher.record.route == "(check)")
 
@@ -78,7 +78,7 @@ async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
                        ) -> AsyncIterator[Ticket]:
     """A shared lane's slot, then the attempt's need from the budgets every relay sharing
     the provider keeps on the coordination server (`SharedBudget`)."""
-    need = need_of(run_, None)
+    need = need_of(run_, lane.tokens.learned)
     async with lane.slot(priority, on_queued=on_queued) as ticket:
         deadline = ticket.queued_at + lane.profile.queue_timeout_s
         waited, held_by = await lane.tokens.take(need, deadline=deadline, probe=probe,
@@ -165,6 +165,7 @@ async def _run_shared(adapter: Adapter, lane: SharedLane, ticket: Ticket, run_: 
             reservation.settled = True
             usage = run_.sink.usage
             reported = usage is not None and usage.prompt_tokens is not None
+            learn(lane.tokens.learned, run_, error)
             note(record, reservation, used_in, used_out,
                  not reported and not (error is not None and used_in == used_out == 0))
             await _shielded(functools.partial(lane.tokens.settle, reservation.need,
@@ -203,12 +204,18 @@ def settle(lane: Lane, ticket: Ticket, run_: Run, record: Record,
     usage = run_.sink.usage
     used_in, used_out = used_of(run_, reservation, error)
     reported = usage is not None and usage.prompt_tokens is not None
-    if (reported and error is None and usage is not None
-            and usage.completion_tokens is not None and run_.sink.complete):
-        lane.budget.learn(run_.call.model, usage.completion_tokens)
+    learn(lane.budget.learned, run_, error)
     estimated = not reported and not (error is not None and used_in == used_out == 0)
     lane.settle(ticket, used_in, used_out)
     note(record, reservation, used_in, used_out, estimated)
+
+
+def learn(learned: Learned, run_: Run, error: RelayError | None) -> None:
+    """A whole answer's reported length, for the next output reservations."""
+    usage = run_.sink.usage
+    if (error is None and usage is not None and usage.prompt_tokens is not None
+            and usage.completion_tokens is not None and run_.sink.complete):
+        learned.learn(run_.call.model, usage.completion_tokens)
 
 
 def count_wait(ticket: Ticket, record: Record) -> None:

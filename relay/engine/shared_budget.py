@@ -38,7 +38,7 @@ import trio
 from relay.vocab.errors import RelayError
 from relay.vocab.limits import RateLimits
 
-from .budget import Need, too_large
+from .budget import Learned, Need, too_large
 from .shared_budget_scripts import SCRIPTS
 
 if TYPE_CHECKING:
@@ -65,6 +65,7 @@ class SharedBudget:
         self._waiting: dict[str, tuple[int, str]] = {}  # member -> (ahead, in words)
         self._peeked: tuple[float, list[Any]] | None = None  # (when, TOKENS_PEEK's reply)
         self._used: collections.deque[tuple[float, int]] = collections.deque()
+        self.learned = Learned()  # this relay's answers (the output reservation)
 
     def _configured(self) -> list[str]:
         p = self.lane._local
