@@ -22,9 +22,10 @@ and the clients:
 - **relay, neither**: the provider sends no rate-limit header at all (its 429s still say
   "try again in …" in their body), relay has only ``rpm = 100``;
 - **direct**: the client talks to the provider itself;
-- **3 relays shared, budgets configured** and **3 relays shared, headers only**: three
-  ``relay.serve`` in this process, each with its own config naming the same provider with
-  ``shared = true`` (SPEC L11) and the same figures as the two rows above, coordinated
+- **3 relays shared, budgets configured**, **3 relays shared, headers only** and **3
+  relays shared, neither**: three ``relay.serve`` in this process, each with its own
+  config naming the same provider with ``shared = true`` (SPEC L11) and the same
+  figures (and provider) as the three rows above, coordinated
   through one ``redis-server`` the bench starts on a free loopback port (and stops at the
   end; without ``redis-server`` on the PATH these rows are skipped, said so); the
   workload's requests are dealt round-robin to the three relays' URLs (so every
@@ -303,6 +304,7 @@ CLIENTS = [
     Client("direct", None),
     Client("3 relays shared, budgets configured", CONFIGURED, relays=3),
     Client("3 relays shared, headers only", "", relays=3),
+    Client("3 relays shared, neither", "rpm = 100", headers=False, relays=3),
 ]
 
 

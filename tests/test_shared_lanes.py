@@ -3,8 +3,12 @@ relays in one test process (``relay.serve`` on loopback), each with its own reco
 
 from __future__ import annotations
 
+import functools
 import json
+import queue
 import random
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +19,7 @@ from redis_server import RedisServer, redis_shared_fixture  # noqa: F401  (the f
 from shared_helpers import Peak, body, shared_config
 from upstream import FakeUpstream, Script
 
+import relay
 from relay import Served
 
 
@@ -378,3 +383,63 @@ async def test_a_renewal_never_reports_a_waiter_whose_acquire_is_still_on_its_wa
     lane._waiters[on_its_way.member] = on_its_way  # as _acquire does before ACQUIRE
     await lane.sync()
     assert not on_its_way.gone
+
+
+async def test_a_late_renewal_does_not_fail_a_waiting_request(
+        tmp_path: Path, upstream: FakeUpstream, redis: RedisServer,
+        client: httpx.AsyncClient) -> None:
+    # Relay B's event loop is busy for longer than the point where a holder would stop
+    # (half a lease without a renewal), but less than a lease: its waiting request holds
+    # nothing the server could give twice, so it must not fail (it answered 503
+    # coordination_unavailable "not connected yet" though the server answered). B runs
+    # in its own thread and trio run, so only its loop is blocked; A holds the one slot.
+    upstream.scripts["slow"] = Script(first_byte_delay_s=6)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    text_b = shared_config(upstream, redis.url, "b", lanes=1, lease_s=4)
+    ready: queue.Queue[tuple[Served, trio.lowlevel.TrioToken, trio.Event]] = queue.Queue()
+
+    def run_b() -> None:
+        async def serve_b() -> None:
+            shutdown = trio.Event()
+            async with trio.open_nursery() as nursery:
+                served: Served = await nursery.start(functools.partial(
+                    relay.serve, config_from(text_b, tmp_path / "b"), port=0,
+                    shutdown=shutdown))
+                ready.put((served, trio.lowlevel.current_trio_token(), shutdown))
+        trio.run(serve_b)
+
+    thread = threading.Thread(target=run_b, daemon=True)
+    thread.start()
+    served_b, token_b, shutdown_b = await trio.to_thread.run_sync(ready.get)
+    try:
+        async with trio.open_nursery() as nursery:
+            a = await start_relay(nursery, shared_config(upstream, redis.url, "a", lanes=1,
+                                                         lease_s=4), tmp_path / "a")
+            answers: dict[str, int] = {}
+
+            async def ask(name: str, url: str, model: str) -> None:
+                r = await client.post(f"{url}/v1/chat/completions", json=body(model))
+                answers[name] = r.status_code
+                if r.status_code != 200:
+                    answers[name + " text"] = r.text  # type: ignore[assignment]
+
+            nursery.start_soon(ask, "a", a.url, "up/slow")
+            await wait_for(lambda: lane(a).held_here == 1)
+            nursery.start_soon(ask, "b", served_b.url, "up/m1")
+            await wait_for(lambda: lane(served_b).statistics().queued == 1)
+            # B's loop does nothing for 2.5 s: past its holders' stop (2 s after its last
+            # renewal at most), inside its lease (4 s).
+            await trio.to_thread.run_sync(functools.partial(
+                trio.from_thread.run_sync, time.sleep, 2.5, trio_token=token_b))
+            with trio.fail_after(20):
+                while "b" not in answers or "a" not in answers:
+                    await trio.sleep(0.05)
+            assert answers["a"] == 200
+            assert answers["b"] == 200, answers
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True, deadline=trio.current_time() + 15):
+            await trio.to_thread.run_sync(functools.partial(
+                trio.from_thread.run_sync, shutdown_b.set, trio_token=token_b))
+            await trio.to_thread.run_sync(thread.join, 10)
