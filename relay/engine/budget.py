@@ -72,6 +72,9 @@ class Reservation:
     need: Need
     at: float
     settled: bool = False
+    # The budgets it was taken from (None: every one): a budget that appeared after it
+    # (from a 429's words, a first header) is not given back what it never took.
+    kinds: frozenset[str] | None = None
 
 
 @attrs.define
@@ -239,10 +242,11 @@ class Budget:
         if need is None:
             return None
         now = self._clock()
-        for kind, bucket in self._live(now).items():
+        live = self._live(now)
+        for kind, bucket in live.items():
             bucket.level -= need.cost(kind)
         self._outstanding_out += need.output
-        reservation = Reservation(need, now)
+        reservation = Reservation(need, now, kinds=frozenset(live))
         self._inflight.add(reservation)
         if self._probe_due and self.hold_left(now) <= 0:
             self._probe_due, self._probe = False, reservation
@@ -270,7 +274,8 @@ class Budget:
         # its real input: only its output is settled then (else it would count twice).
         counted = self._tightened_at >= reservation.at and count
         for kind, bucket in self._live(now).items():
-            if kind == "requests" or (counted and kind == "input"):
+            if kind == "requests" or (counted and kind == "input") or (
+                    reservation.kinds is not None and kind not in reservation.kinds):
                 continue
             back = reservation.need.cost(kind) - used.cost(kind)
             if counted and kind == "tokens":

@@ -81,9 +81,10 @@ async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
     need = need_of(run_, lane.tokens.learned)
     async with lane.slot(priority, on_queued=on_queued) as ticket:
         deadline = ticket.queued_at + lane.profile.queue_timeout_s
-        waited, held_by = await lane.tokens.take(need, deadline=deadline, probe=probe,
-                                                 leave_if_held=run_.has_fallback)
-        ticket.reservation = Reservation(need, trio.current_time())
+        waited, held_by, kinds = await lane.tokens.take(need, deadline=deadline,
+                                                        probe=probe,
+                                                        leave_if_held=run_.has_fallback)
+        ticket.reservation = Reservation(need, trio.current_time(), kinds=kinds)
         ticket.token_wait_s, ticket.held_by = waited, held_by
         run_.sink.on_limits = functools.partial(_shared_limits_seen, lane, run_.record)
         yield ticket
@@ -169,7 +170,7 @@ async def _run_shared(adapter: Adapter, lane: SharedLane, ticket: Ticket, run_: 
             note(record, reservation, used_in, used_out,
                  not reported and not (error is not None and used_in == used_out == 0))
             await _shielded(functools.partial(lane.tokens.settle, reservation.need,
-                                              used_in, used_out), lane)
+                                              used_in, used_out, reservation.kinds), lane)
 
 
 def used_of(run_: Run, reservation: Reservation, error: RelayError | None

@@ -28,7 +28,6 @@ also keeps its place (a relay that stops asking loses its waiters' places after
 
 from __future__ import annotations
 
-import collections
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from relay.vocab.errors import RelayError
-from relay.vocab.limits import RateLimits
+from relay.vocab.limits import KINDS, RateLimits
 
 from .budget import Learned, Need, too_large
 from .shared_budget_scripts import SCRIPTS
@@ -64,7 +63,6 @@ class SharedBudget:
         # (its scripts, `SCRIPTS`, are the coordinator's to run, beside its own)
         self._waiting: dict[str, tuple[int, str]] = {}  # member -> (ahead, in words)
         self._peeked: tuple[float, list[Any]] | None = None  # (when, TOKENS_PEEK's reply)
-        self._used: collections.deque[tuple[float, int]] = collections.deque()
         self.learned = Learned()  # this relay's answers (the output reservation)
 
     def _configured(self) -> list[str]:
@@ -87,10 +85,11 @@ class SharedBudget:
         return next((m for m in self.lane._holders.values() if m.task is task), None)
 
     async def take(self, need: Need, *, deadline: float, leave_if_held: bool,
-                   probe: bool) -> tuple[float, str | None]:
+                   probe: bool) -> tuple[float, str | None, frozenset[str]]:
         """Wait until ``need`` fits the shared budgets and this request heads the token
         queue (priority class, then arrival, across relays), and take it. Returns how
-        long it waited and the hold that delayed it (None: none did).
+        long it waited, the hold that delayed it (None: none did), and the budgets it
+        was taken from (for its settlement).
 
         Raises:
             RelayError: ``request_too_large``; the hold's reason (a fallback to go to, or
@@ -119,7 +118,7 @@ class SharedBudget:
 
     async def _take(self, need: Need, m: _Member | None, member: str, rank: int, *,
                     deadline: float, leave_if_held: bool, probe: bool
-                    ) -> tuple[float, str | None]:
+                    ) -> tuple[float, str | None, frozenset[str]]:
         began = trio.current_time()
         held_by: str | None = None
         name = self.lane.name
@@ -131,7 +130,7 @@ class SharedBudget:
             code = int(reply[0])
             if code == 0:
                 self._waiting.pop(member, None)
-                return trio.current_time() - began, held_by
+                return trio.current_time() - began, held_by, frozenset(map(str, reply[1:]))
             if code < 0:
                 raise too_large(name, need, str(reply[1]), int(reply[2]), float(reply[3]))
             now, wait = trio.current_time(), code / 1000
@@ -171,17 +170,22 @@ class SharedBudget:
         if reply[1] == "queue":
             return (f"waiting for the provider's token budget, behind {int(reply[2])} "
                     f"earlier request(s) of the relays sharing it")
+        if reply[1] == "first":
+            return ("waiting for the first request after the provider's hold to be "
+                    "answered")
         kind, free, want = str(reply[1]).split()
         return (f"waiting for the provider's {_WHAT.get(kind, kind)} budget: "
                 f"{max(0, int(free)):,} of {int(float(want)):,} free, {about}")
 
-    async def settle(self, need: Need, used_in: int, used_out: int) -> None:
+    async def settle(self, need: Need, used_in: int, used_out: int,
+                     kinds: frozenset[str] | None) -> None:
+        """Give back to the budgets it was taken from what a request reserved and did not
+        use (take what it used beyond); ``kinds`` None: every budget."""
+        m = self._holder()  # (the first start after a hold ends with its settlement)
         await self._call("TOKENS_SETTLE", need.input, need.output, used_in, used_out,
-                         *self._configured(), self.lane._coord.channel_prefix)
-        now = trio.current_time()
-        self._used.append((now, used_in + used_out))
-        while self._used and self._used[0][0] <= now - 60:
-            self._used.popleft()
+                         *self._configured(), self.lane._coord.channel_prefix,
+                         m.member if m is not None else "",
+                         *sorted(kinds if kinds is not None else KINDS))
 
     # --- visibility ---------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -196,7 +200,7 @@ class SharedBudget:
 
     def status(self, iso: Callable[[float | None], str | None]) -> dict[str, Any] | None:
         """The provider's ``budgets`` object of the status, as `Budget.status`'s, from
-        the last renewal's reading (``as_of``); ``used_last_minute``: this relay's own."""
+        the last renewal's reading (``as_of``), every relay's ``used_last_minute``."""
         if self._peeked is None:
             return None
         at, reply = self._peeked
@@ -204,7 +208,7 @@ class SharedBudget:
         configured = dict(zip(("tokens", "input", "output"),
                               (float(f) for f in self._configured()), strict=True))
         budgets: dict[str, Any] = {}
-        for i in range(3, len(reply), 4):
+        for i in range(4, len(reply), 4):
             kind, limit, level, header = (str(reply[i]), float(reply[i + 1]),
                                           float(reply[i + 2]), float(reply[i + 3]))
             figure = configured.get(kind, 0.0)
@@ -219,7 +223,7 @@ class SharedBudget:
         return {
             "budgets": budgets, "shared": True, "as_of": iso(at),
             "token_waiters": int(reply[2]),  # every relay's holders waiting for tokens
-            "used_last_minute": sum(n for t, n in self._used if t > now - 60),
+            "used_last_minute": int(reply[3]),  # every relay's, on the server's clock
             "reserved_output": None, "per_minute": [],
             "hold": ({"until": iso(now + left), "left_s": round(left, 3),
                       "cause": str(reply[1])} if left > 0 else None),
@@ -240,4 +244,5 @@ class SharedBudget:
         hold_ms = int((limits.hold_s or 0) * 1000) if limits is not None else 0
         await self._call("TOKENS_SEEN", *self._configured(), hold_ms,
                          limits.cause if limits is not None else "", reason,
-                         1 if ok else 0, int(began_s_ago * 1000), *triples)
+                         1 if ok else 0, int(began_s_ago * 1000),
+                         self.lane._coord.channel_prefix, *triples)

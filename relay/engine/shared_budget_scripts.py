@@ -66,6 +66,17 @@ local function wake(chan)
   end
 end
 
+-- The first start after a hold goes alone for at most this long (its relay may die).
+local FIRST_MS = 30000
+
+-- Its answer is back (or it ended): the rest may start; the head is told.
+local function first_done(chan)
+  if (redis.call('HGET', B, 'first') or '') ~= '' then
+    redis.call('HSET', B, 'first', '')
+    wake(chan)
+  end
+end
+
 -- Every reply goes through this: the keys expire an hour after their last use.
 local function done(reply)
   for _, k in ipairs({B, T, TX}) do redis.call('PEXPIRE', k, 3600000) end
@@ -75,7 +86,8 @@ end
 
 # ARGV: need_in, need_out, configured tpm, itpm, otpm, probe (1: a connection check),
 # member, rank, place_ms (how long its place lasts unless it asks again), the channel
-# prefix. Reply: {0} started (the need is taken); {wait_ms, 'hold', cause, reason} held;
+# prefix. Reply: {0, kind...} started (the need is taken from those budgets); {wait_ms,
+# 'hold', cause, reason} held; {wait_ms, 'first'} behind the first start after a hold;
 # {wait_ms, 'queue', ahead} behind ``ahead`` earlier waiters; {wait_ms, '<kind> <free>
 # <want>'} the head, not yet; {-1, kind, cost, limit} too large for a whole minute. A
 # reply other than "not yet" or "behind" has taken the member out of the queue.
@@ -109,6 +121,12 @@ if not probe then
     local ahead = #redis.call('ZRANGEBYSCORE', T, '-inf', '(' .. score)
     return done({place_ms, 'queue', ahead})
   end
+  -- After a hold the first start goes alone: the rest wait until its answer is back
+  -- (then a provider that said nothing more meets one 429 a window, not one a relay).
+  local first = redis.call('HMGET', B, 'first', 'first_until')
+  if first[1] and first[1] ~= '' and tonumber(first[2] or '0') > now then
+    return done({math.min(place_ms, tonumber(first[2]) - now), 'first'})
+  end
 end
 local wait, what = 0, ''
 local levels = {}
@@ -129,9 +147,17 @@ for _, kind in ipairs(KINDS) do
   end
 end
 if wait > 0 then return done({wait, what}) end
-for kind, lvl in pairs(levels) do store(kind, lvl - cost[kind]) end
+local took = {0}
+for kind, lvl in pairs(levels) do
+  store(kind, lvl - cost[kind])
+  table.insert(took, kind)
+end
+if not probe and redis.call('HGET', B, 'first_due') == '1' then
+  redis.call('HSET', B, 'first', member, 'first_until', tostring(now + FIRST_MS),
+             'first_due', '0')
+end
 out()
-return done({0})
+return done(took)
 """
 
 # A token waiter leaves (its queue timeout, a hold it does not wait out, its client
@@ -146,34 +172,51 @@ return done({0})
 """
 
 # ARGV: reserved in, reserved out, used in, used out, configured tpm, itpm, otpm, the
-# channel prefix. What was reserved and not used goes back: the head may fit now.
+# channel prefix, member, then the budgets it was taken from (TOKENS_TAKE's reply). What
+# was reserved and not used goes back to them (a budget that appeared since took
+# nothing): the head may fit now; the first start after a hold has ended.
 TOKENS_SETTLE = _BUDGET_PRELUDE + r"""
 local r_in, r_out, u_in, u_out = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
                                  tonumber(ARGV[4])
 local cfg = {tokens = ARGV[5], input = ARGV[6], output = ARGV[7]}
 local back = {tokens = r_in + r_out - u_in - u_out, input = r_in - u_in, output = r_out - u_out}
+local took = {}
+for j = 10, #ARGV do took[ARGV[j]] = true end
 local gave = false
 for kind, b in pairs(back) do
   local limit = limit_of(kind, cfg[kind])
-  if limit > 0 then
+  if limit > 0 and took[kind] then
     store(kind, math.min(limit, level_of(kind, limit) + b))
     gave = gave or b > 0
   end
 end
+-- What was used, for the status's "used in the last minute" of every relay together: a
+-- ring of 60 one-second counters (u<slot>, stamped with their second in us<slot>).
+local sec = math.floor(now / 1000)
+local slot = tostring(sec % 60)
+if redis.call('HGET', B, 'us' .. slot) ~= tostring(sec) then
+  redis.call('HSET', B, 'u' .. slot, '0', 'us' .. slot, tostring(sec))
+end
+redis.call('HINCRBY', B, 'u' .. slot, u_in + u_out)
 prune()
-if gave then wake(ARGV[8]) end
+if ARGV[9] ~= '' and redis.call('HGET', B, 'first') == ARGV[9] then
+  first_done(ARGV[8])
+elseif gave then
+  wake(ARGV[8])
+end
 return done({0})
 """
 
 # ARGV: configured tpm, itpm, otpm; hold_ms (0: none), cause, reason, ok (1: an answer
-# began after any hold: it has lifted), began (ms ago it began), then (kind, limit,
-# remaining) triples ('' for a figure not said). A header's remaining only ever lowers a
-# level (a header may be late).
+# came back; one begun after any hold: it has lifted), began (ms ago it began), the
+# channel prefix, then (kind, limit, remaining) triples ('' for a figure not said). A
+# header's remaining only ever lowers a level (a header may be late). A hold makes the
+# first start after it go alone, until an answer comes back or it ends (TOKENS_SETTLE).
 TOKENS_SEEN = _BUDGET_PRELUDE + r"""
 local cfg = {requests = '0', tokens = ARGV[1], input = ARGV[2], output = ARGV[3]}
 local hold_ms, cause, reason, ok = tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7]
 local began = now - tonumber(ARGV[8])
-local i = 9
+local i = 10
 while ARGV[i] do
   local kind, limit, remaining = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   if limit and limit > 0 then
@@ -191,24 +234,41 @@ while ARGV[i] do
   i = i + 3
 end
 local hold = tonumber(redis.call('HGET', B, 'hold') or '0')
-if hold_ms > 0 and now + hold_ms > hold then
-  redis.call('HSET', B, 'hold', tostring(now + hold_ms), 'hold_cause', cause,
-             'hold_reason', reason, 'hold_since', tostring(now))
-elseif ok == '1' and hold > now then
-  local since = tonumber(redis.call('HGET', B, 'hold_since') or '0')
-  if began >= since then redis.call('HSET', B, 'hold', '0') end
+if hold_ms > 0 then
+  if now + hold_ms > hold then
+    redis.call('HSET', B, 'hold', tostring(now + hold_ms), 'hold_cause', cause,
+               'hold_reason', reason, 'hold_since', tostring(now))
+  end
+  redis.call('HSET', B, 'first', '', 'first_due', '1')  -- after it, one start alone
+elseif ok == '1' then
+  if hold > now then
+    local since = tonumber(redis.call('HGET', B, 'hold_since') or '0')
+    if began >= since then redis.call('HSET', B, 'hold', '0') end
+  end
+  first_done(ARGV[9])
 end
 return done({0})
 """
 
 # What the budgets are now, for the status (read at each renewal; nothing changes).
-# ARGV: configured tpm, itpm, otpm. Reply: {hold_left_ms, hold_cause, waiters, then
-# (kind, limit, level, header limit) for each budget with a limit}, numbers as strings.
+# ARGV: configured tpm, itpm, otpm. Reply: {hold_left_ms, hold_cause, waiters, tokens used
+# in the last minute by every relay, then (kind, limit, level, header limit) for each
+# budget with a limit}, numbers as strings.
 TOKENS_PEEK = _BUDGET_PRELUDE + r"""
 local cfg = {requests = '0', tokens = ARGV[1], input = ARGV[2], output = ARGV[3]}
 local hold = tonumber(redis.call('HGET', B, 'hold') or '0')
+local used, sec, fields = 0, math.floor(now / 1000), {}
+for slot = 0, 59 do
+  table.insert(fields, 'u' .. slot)
+  table.insert(fields, 'us' .. slot)
+end
+local ring = redis.call('HMGET', B, unpack(fields))
+for j = 1, 120, 2 do
+  local stamp = tonumber(ring[j + 1] or '')
+  if stamp and stamp > sec - 60 then used = used + tonumber(ring[j] or '0') end
+end
 local out = {tostring(math.max(0, hold - now)), redis.call('HGET', B, 'hold_cause') or '',
-             tostring(redis.call('ZCARD', T))}
+             tostring(redis.call('ZCARD', T)), tostring(used)}
 for _, kind in ipairs(KINDS) do
   local limit = limit_of(kind, cfg[kind])
   if limit > 0 then
