@@ -86,20 +86,24 @@ async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
                                                         leave_if_held=run_.has_fallback)
         ticket.reservation = Reservation(need, trio.current_time(), kinds=kinds)
         ticket.token_wait_s, ticket.held_by = waited, held_by
-        run_.sink.on_limits = functools.partial(_shared_limits_seen, lane, run_.record)
+        holder = lane.tokens._holder()
+        run_.sink.on_limits = functools.partial(_shared_limits_seen, lane, run_.record,
+                                                holder.member if holder else "")
         yield ticket
 
 
-def _shared_limits_seen(lane: SharedLane, attempt: Attempt, limits: RateLimits) -> None:
+def _shared_limits_seen(lane: SharedLane, attempt: Attempt, member: str,
+                        limits: RateLimits) -> None:
     began = trio.current_time() - attempt.started
-    lane._coord.start_soon(functools.partial(_tell_shared, lane, limits, began))
+    lane._coord.start_soon(functools.partial(_tell_shared, lane, limits, began, member))
 
 
-async def _tell_shared(lane: SharedLane, limits: RateLimits, began_s_ago: float) -> None:
+async def _tell_shared(lane: SharedLane, limits: RateLimits, began_s_ago: float,
+                       member: str) -> None:
     """Move the shared budgets to an answer's headers, in the coordinator's nursery: a
     server that cannot be reached is logged, never the coordinator's (and relay's) crash."""
     try:
-        await lane.tokens.seen(limits, ok=True, began_s_ago=began_s_ago)
+        await lane.tokens.seen(limits, ok=True, began_s_ago=began_s_ago, member=member)
     except RelayError as exc:
         logger.warning("shared token budget of %s not updated: %s", lane.name, exc.message)
 
@@ -141,7 +145,8 @@ async def run(adapter: Adapter, lane: LaneLike, ticket: Ticket, run_: Run,
         await adapter.run(run_.call, run_.sink)
     except RelayError as exc:
         # a hold stops the next start
-        lane.observe(exc.limits, reason=exc.reason, own=ticket.reservation)
+        lane.observe(exc.limits, reason=exc.reason, own=ticket.reservation,
+                     started_at=ticket.started_at)
         settle(lane, ticket, run_, record, exc)
         raise
     finally:
@@ -156,8 +161,11 @@ async def _run_shared(adapter: Adapter, lane: SharedLane, ticket: Ticket, run_: 
         await adapter.run(run_.call, run_.sink)
     except RelayError as exc:
         error = exc
-        await _shielded(functools.partial(lane.tokens.seen, exc.limits, reason=exc.reason),
-                        lane)
+        holder = lane.tokens._holder()
+        began = trio.current_time() - (ticket.started_at or trio.current_time())
+        await _shielded(functools.partial(lane.tokens.seen, exc.limits, reason=exc.reason,
+                                          began_s_ago=began,
+                                          member=holder.member if holder else ""), lane)
         raise
     finally:
         reservation = ticket.reservation

@@ -59,7 +59,7 @@ class SharedBudget:
         self.lane = lane
         coord = lane._coord
         base = "{" + f"{coord.prefix}:{lane.name}" + "}"
-        self._keys = [f"{base}:b", f"{base}:t", f"{base}:tx"]
+        self._keys = [f"{base}:b", f"{base}:t", f"{base}:tx", f"{base}:f"]
         # (its scripts, `SCRIPTS`, are the coordinator's to run, beside its own)
         self._waiting: dict[str, tuple[int, str]] = {}  # member -> (ahead, in words)
         self._peeked: tuple[float, list[Any]] | None = None  # (when, TOKENS_PEEK's reply)
@@ -232,9 +232,11 @@ class SharedBudget:
         }
 
     async def seen(self, limits: RateLimits | None, *, ok: bool = False,
-                   began_s_ago: float = 0.0, reason: str = "rate_limited") -> None:
+                   began_s_ago: float = 0.0, reason: str = "rate_limited",
+                   member: str = "") -> None:
         """An answer's rate-limit headers and hold, for every relay sharing the
-        provider."""
+        provider. ``began_s_ago``: when the answering request started; ``member``: its
+        place (what started after it is taken off a header's ``remaining``)."""
         if limits is None and not ok:
             return
         triples: list[Any] = []
@@ -245,4 +247,4 @@ class SharedBudget:
         await self._call("TOKENS_SEEN", *self._configured(), hold_ms,
                          limits.cause if limits is not None else "", reason,
                          1 if ok else 0, int(began_s_ago * 1000),
-                         self.lane._coord.channel_prefix, *triples)
+                         self.lane._coord.channel_prefix, member, *triples)

@@ -26,7 +26,7 @@ __all__ = ["SCRIPTS", "TOKENS_LEAVE", "TOKENS_PEEK", "TOKENS_SEEN", "TOKENS_SETT
            "TOKENS_TAKE"]
 
 _BUDGET_PRELUDE = r"""
-local B, T, TX = KEYS[1], KEYS[2], KEYS[3]
+local B, T, TX, F = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local KINDS = {'requests', 'tokens', 'input', 'output'}
@@ -50,11 +50,17 @@ local function store(kind, lvl)
   redis.call('HSET', B, kind .. ':lvl', tostring(lvl), kind .. ':at', tostring(now))
 end
 
--- Token waiters whose relay stopped asking (it died, or lost the server) leave.
+-- Token waiters whose relay stopped asking (it died, or lost the server) leave; a
+-- request in flight (F: member -> its start; f:<member>: its input) is forgotten an hour
+-- after its start if its settlement never came.
 local function prune()
   for _, w in ipairs(redis.call('ZRANGEBYSCORE', TX, '-inf', now)) do
     redis.call('ZREM', T, w)
     redis.call('ZREM', TX, w)
+  end
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', F, '-inf', now - 3600000)) do
+    redis.call('ZREM', F, m)
+    redis.call('HDEL', B, 'f:' .. m)
   end
 end
 
@@ -79,7 +85,7 @@ end
 
 -- Every reply goes through this: the keys expire an hour after their last use.
 local function done(reply)
-  for _, k in ipairs({B, T, TX}) do redis.call('PEXPIRE', k, 3600000) end
+  for _, k in ipairs({B, T, TX, F}) do redis.call('PEXPIRE', k, 3600000) end
   return reply
 end
 """
@@ -152,6 +158,8 @@ for kind, lvl in pairs(levels) do
   store(kind, lvl - cost[kind])
   table.insert(took, kind)
 end
+redis.call('ZADD', F, now, member)
+redis.call('HSET', B, 'f:' .. member, tostring(need_in))
 if not probe and redis.call('HGET', B, 'first_due') == '1' then
   redis.call('HSET', B, 'first', member, 'first_until', tostring(now + FIRST_MS),
              'first_due', '0')
@@ -198,6 +206,10 @@ if redis.call('HGET', B, 'us' .. slot) ~= tostring(sec) then
   redis.call('HSET', B, 'u' .. slot, '0', 'us' .. slot, tostring(sec))
 end
 redis.call('HINCRBY', B, 'u' .. slot, u_in + u_out)
+if ARGV[9] ~= '' then
+  redis.call('ZREM', F, ARGV[9])
+  redis.call('HDEL', B, 'f:' .. ARGV[9])
+end
 prune()
 if ARGV[9] ~= '' and redis.call('HGET', B, 'first') == ARGV[9] then
   first_done(ARGV[8])
@@ -209,14 +221,28 @@ return done({0})
 
 # ARGV: configured tpm, itpm, otpm; hold_ms (0: none), cause, reason, ok (1: an answer
 # came back; one begun after any hold: it has lifted), began (ms ago it began), the
-# channel prefix, then (kind, limit, remaining) triples ('' for a figure not said). A
-# header's remaining only ever lowers a level (a header may be late). A hold makes the
+# channel prefix, its member ('' : not known), then (kind, limit, remaining) triples (''
+# for a figure not said). A header's remaining only ever lowers a level, and then less
+# what was started since the answering request (a header is late by that). A hold makes the
 # first start after it go alone, until an answer comes back or it ends (TOKENS_SETTLE).
 TOKENS_SEEN = _BUDGET_PRELUDE + r"""
 local cfg = {requests = '0', tokens = ARGV[1], input = ARGV[2], output = ARGV[3]}
 local hold_ms, cause, reason, ok = tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7]
-local began = now - tonumber(ARGV[8])
-local i = 10
+local began, own = now - tonumber(ARGV[8]), ARGV[10]
+-- What requests started at or after the answering one (its own aside) take of a budget:
+-- they may not be in the provider's count yet (a burst's first answers come back while
+-- the relays are still starting the rest).
+local function late(kind)
+  if kind ~= 'input' and kind ~= 'tokens' and kind ~= 'requests' then return 0 end
+  local n = 0
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', F, began, '+inf')) do
+    if m ~= own then
+      n = n + (kind == 'requests' and 1 or tonumber(redis.call('HGET', B, 'f:' .. m) or '0'))
+    end
+  end
+  return n
+end
+local i = 11
 while ARGV[i] do
   local kind, limit, remaining = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   if limit and limit > 0 then
@@ -229,7 +255,7 @@ while ARGV[i] do
   local now_limit = limit_of(kind, cfg[kind])
   if remaining and now_limit > 0 then
     local lvl = level_of(kind, now_limit)
-    if remaining < lvl then store(kind, remaining) end
+    if remaining < lvl then store(kind, remaining - late(kind)) end
   end
   i = i + 3
 end
