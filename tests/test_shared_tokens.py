@@ -224,3 +224,33 @@ async def test_a_shared_provider_reserves_a_learned_percentile_of_its_answers(
         assert reserved[1:3] == reserved[:2]           # the floor, three times
         assert reserved[3] - reserved[0] == 1000 - 256  # then what the answers were
         nursery.cancel_scope.cancel()
+
+
+async def test_after_a_hold_the_first_start_goes_alone_across_relays(
+        tmp_path: Path, redis: RedisServer) -> None:
+    # SPEC L12 with L11: a provider that says nothing more than its 429 meets one 429 a
+    # window, not one a relay: after the hold, one request (on whichever relay) goes
+    # first, and every relay's others wait until its answer is back.
+    async with trio.open_nursery() as nursery:
+        fake: Metered = await nursery.start(functools.partial(
+            serve_metered, Limits(rpm=6000, itpm=600_000, otpm=600_000)))
+        fake.first_token_s = 1.0  # each answer takes over a second (its headers at the end)
+        relays = await three(nursery, tmp_path, fake, redis)
+        lane = relays[0].relay.providers["p"].lane
+        assert isinstance(lane, SharedLane)
+        await lane.tokens.seen(RateLimits(hold_s=1.0, cause="retry-after: 1"))
+        answers: list[int] = []
+        async with httpx.AsyncClient(trust_env=False, timeout=60.0) as client:
+            async def one(i: int) -> None:
+                r = await client.post(f"{relays[i % 3].url}/v1/chat/completions", json={
+                    "model": "p/m-out80", "messages": [{"role": "user", "content": "hi"}]})
+                answers.append(r.status_code)
+            async with trio.open_nursery() as inner:
+                for i in range(6):
+                    inner.start_soon(one, i)
+        assert answers == [200] * 6
+        arrived = sorted(q.received_at for q in fake.requests if q.method == "POST")
+        # The first's answer takes over a second: the next waited for it.
+        assert arrived[1] - arrived[0] >= 1.0, arrived
+        assert arrived[-1] - arrived[1] < 0.5, arrived  # then the rest together
+        nursery.cancel_scope.cancel()
