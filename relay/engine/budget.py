@@ -13,9 +13,10 @@ asks and a shared lane's server scripts can mirror:
   reported (or relay's estimate of what was sent and read, marked so);
 - ``observe(limits)``: the provider is the truth. Its headers set each budget's limit
   (where a configured figure and a header disagree, the lower wins: a configured figure
-  may be this relay's share of the account, a header is the account's ceiling) and move
-  each level to the ``remaining`` it reported, less the output still reserved by requests
-  in flight (the provider counts output as it is produced);
+  may be this relay's share of the account, a header is the account's ceiling); a lower
+  ``remaining`` lowers the level to it, less the output still reserved by requests in
+  flight (the provider counts output as it is produced) and the input of what relay
+  started since the answering request (a header is late by that);
 - ``hold(until)``: a 429 that said when, or a usage-window notice: no start until then.
   An answer that *started* after the hold began and came back fine ends it early (the
   limit has lifted: a connection check, which may pass a hold, is how relay finds out).
@@ -39,14 +40,13 @@ from relay.vocab.errors import RelayError
 from relay.vocab.limits import KINDS, RateLimits
 from relay.vocab.profile import Profile
 
-from .estimate import OUTPUT_FLOOR, estimate_input, estimate_text, output_reservation
+from .estimate import OUTPUT_FLOOR, Learned, estimate_input, estimate_text, output_reservation
 
 __all__ = ["OUTPUT_FLOOR", "Budget", "Learned", "Need", "Reservation", "estimate_input",
            "estimate_text", "held_error", "output_reservation", "too_large", "too_large_error"]
 
 # (The estimate lives in `relay.engine.estimate`; re-exported here, where it is used.)
 
-LEARNED_SAMPLES = 100       # answers per model kept for the percentile
 _PROFILE_KEYS = {"tokens": "tpm", "input": "itpm", "output": "otpm"}
 _WHAT = {"requests": "request starts", "tokens": "tokens", "input": "input tokens",
          "output": "output tokens"}
@@ -72,9 +72,7 @@ class Reservation:
     need: Need
     at: float
     settled: bool = False
-    # The budgets it was taken from (None: every one): a budget that appeared after it
-    # (from a 429's words, a first header) is not given back what it never took.
-    kinds: frozenset[str] | None = None
+    kinds: frozenset[str] | None = None  # the budgets it took from (None: every one)
 
 
 @attrs.define
@@ -117,28 +115,6 @@ class Hold:
     since: float
     cause: str
     reason: str = "rate_limited"  # or quota_exhausted: a usage window (SPEC E2)
-
-
-class Learned:
-    """The lengths of a provider's recent reported answers, by model: the output
-    reservation of a request that sets no limit of its own (SPEC L12). Kept by each
-    relay, shared provider or not (a relay's own answers are sample enough)."""
-
-    def __init__(self) -> None:
-        self._seen: dict[str, collections.deque[int]] = {}
-
-    def learn(self, model: str, output_tokens: int) -> None:
-        """A reported answer's length, for the output reservation of the next ones."""
-        seen = self._seen.setdefault(model, collections.deque(maxlen=LEARNED_SAMPLES))
-        seen.append(output_tokens)
-
-    def output(self, model: str) -> int | None:
-        """The 90th percentile of the model's last answers (None: fewer than 3)."""
-        seen = self._seen.get(model)
-        if not seen or len(seen) < 3:
-            return None
-        ordered = sorted(seen)
-        return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
 
 
 class Budget:
@@ -291,8 +267,7 @@ class Budget:
                 ok: bool = False, reason: str = "rate_limited",
                 own: Reservation | None = None) -> None:
         """An answer's rate-limit headers (and hold); see the module docstring.
-        ``started_at``: when the answering attempt started (None: not known); ``own``:
-        its reservation (what relay started since may not be in the provider's count)."""
+        ``started_at``, ``own``: the answering attempt's start and reservation."""
         now = self._clock()
         if limits is not None:
             for kind, window in limits.windows.items():
@@ -311,11 +286,8 @@ class Budget:
                 bucket.remaining_said = window.remaining
                 pending = self._outstanding_out if kind in ("tokens", "output") else 0
                 said = min(bucket.limit, window.remaining - pending)
-                # The provider's count only ever tightens relay's (or starts it, for a
-                # budget only the headers tell of). Then what relay started after the
-                # answering request is taken too: it may not be in that count yet (a
-                # burst's first answers come back while relay is still starting the
-                # rest). Settlements bring relay's own count to the usage answers report.
+                # The provider's count only tightens relay's (or starts it), less what
+                # relay started since the answering request (not in it yet, maybe).
                 if created or said < bucket.level:
                     bucket.level = said - self._late(kind, started_at, own)
                     self._tightened_at = now

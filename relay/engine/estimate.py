@@ -5,23 +5,26 @@ vocabulary); 4 tokens a message beyond its text, 3 for the reply's priming; tool
 definitions and calls by their JSON; an image part a flat `IMAGE_TOKENS`. docs/tokens.md
 says how it was made and how far off it was on the tests' corpora. The output reservation
 is the request's own limit, else the provider's, else a learned percentile of the model's
-answers (`relay.engine.budget.Learned`), never below `OUTPUT_FLOOR`.
+answers (`Learned`), never below `OUTPUT_FLOOR`.
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 import re
 from typing import Any
 
 from relay.vocab.events import Call
 
-__all__ = ["IMAGE_TOKENS", "MESSAGE_OVERHEAD", "OUTPUT_FLOOR", "estimate_input",
+__all__ = ["IMAGE_TOKENS", "MESSAGE_OVERHEAD", "OUTPUT_FLOOR", "Learned", "estimate_input",
            "estimate_text", "output_reservation"]
 
 OUTPUT_FLOOR = 256          # tokens reserved for an answer of unknown length
 MESSAGE_OVERHEAD = 4        # tokens a chat message costs beyond its text (role, framing)
 IMAGE_TOKENS = 1000         # an image part, roughly (providers count 85-1,600)
+LEARNED_SAMPLES = 100       # answers per model kept for the percentile
 
 
 _PIECES = re.compile(r"[^\W\d_]+|\d{1,3}|[^\w\s]|_")
@@ -97,3 +100,25 @@ def output_reservation(call: Call, learned: int | None, provider_max: int | None
     if provider_max:
         return provider_max
     return max(OUTPUT_FLOOR, learned or 0)
+
+
+class Learned:
+    """The lengths of a provider's recent reported answers, by model: the output
+    reservation of a request that sets no limit of its own (SPEC L12). Kept by each
+    relay, shared provider or not (a relay's own answers are sample enough)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, collections.deque[int]] = {}
+
+    def learn(self, model: str, output_tokens: int) -> None:
+        """A reported answer's length, for the output reservation of the next ones."""
+        seen = self._seen.setdefault(model, collections.deque(maxlen=LEARNED_SAMPLES))
+        seen.append(output_tokens)
+
+    def output(self, model: str) -> int | None:
+        """The 90th percentile of the model's last answers (None: fewer than 3)."""
+        seen = self._seen.get(model)
+        if not seen or len(seen) < 3:
+            return None
+        ordered = sorted(seen)
+        return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]

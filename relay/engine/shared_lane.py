@@ -30,6 +30,9 @@ renewal at least every lease / 4), with what a holder waiting for tokens here wa
 for every relay (`SYNC` in ``reload`` mode); the others apply it at their next renewal.
 """
 
+# layers: long because a shared slot's life (acquire, wait, give back, renew) is one
+# protocol with the coordination server, best read in one place.
+
 from __future__ import annotations
 
 import logging
@@ -224,10 +227,8 @@ class SharedLane:
                     raise self._lost_error(m, waiting=True)
                 now = trio.current_time()
                 wake_at = self._coord.lost_at
-                if now >= wake_at:
-                    # A holder stops here; a waiter holds nothing the server could give
-                    # twice, so a renewal that is only late (a busy event loop) does not
-                    # fail it: it asks for one now and waits until its place's lease ends.
+                if now >= wake_at:  # where a holder stops; a waiter holds nothing the
+                    # server could give twice: a late renewal is asked for, not a failure
                     wake_at = self._coord.renewed_at + self._coord.lease_s
                     if not self._coord.available or now >= wake_at:
                         raise self._coord.unavailable(self.name, None if not self._coord.available
