@@ -254,5 +254,5 @@ async def test_after_a_hold_the_first_start_goes_alone_across_relays(
         arrived = sorted(q.received_at for q in fake.requests if q.method == "POST")
         # The first's answer takes over a second: the next waited for it.
         assert arrived[1] - arrived[0] >= 1.0, arrived
-        assert arrived[-1] - arrived[1] < 0.5, arrived  # then the rest together
+        assert arrived[-1] - arrived[1] < 0.9, arrived  # then the rest, none alone
         nursery.cancel_scope.cancel()
