@@ -123,7 +123,6 @@ class Budget:
     def __init__(self, profile: Profile, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._buckets: dict[str, _Bucket] = {}
-        self._outstanding_out = 0  # output tokens reserved by requests in flight
         self._inflight: set[Reservation] = set()  # reservations not yet settled
         self._tightened_at = -math.inf  # when a header last lowered a level
         # After a hold, one request goes first; the rest wait until its answer comes
@@ -221,7 +220,6 @@ class Budget:
         live = self._live(now)
         for kind, bucket in live.items():
             bucket.level -= need.cost(kind)
-        self._outstanding_out += need.output
         reservation = Reservation(need, now, kinds=frozenset(live))
         self._inflight.add(reservation)
         if self._probe_due and self.hold_left(now) <= 0:
@@ -257,7 +255,6 @@ class Budget:
             if counted and kind == "tokens":
                 back = reservation.need.output - used.output
             bucket.level = min(bucket.limit, bucket.level + back)
-        self._outstanding_out = max(0, self._outstanding_out - reservation.need.output)
         if count:
             self._count(now, used_in + used_out)
         self.on_change()
@@ -284,7 +281,7 @@ class Budget:
                     continue
                 bucket.refill(now)
                 bucket.remaining_said = window.remaining
-                pending = self._outstanding_out if kind in ("tokens", "output") else 0
+                pending = self._outstanding_out() if kind in ("tokens", "output") else 0
                 said = min(bucket.limit, window.remaining - pending)
                 # The provider's count only tightens relay's (or starts it), less what
                 # relay started since the answering request (not in it yet, maybe).
@@ -300,6 +297,9 @@ class Budget:
                     and started_at >= self.hold_state.since):
                 self.hold_state = None  # an answer begun after the hold: it has lifted
         self.on_change()
+
+    def _outstanding_out(self) -> int:  # output tokens reserved by requests in flight
+        return sum(r.need.output for r in self._inflight)
 
     def _late(self, kind: str, started_at: float | None, own: Reservation | None) -> int:
         """What requests started since ``started_at`` (all, when None) take of a budget
@@ -354,7 +354,7 @@ class Budget:
         return {
             "budgets": budgets,
             "used_last_minute": self.used_last_minute(now),
-            "reserved_output": self._outstanding_out,
+            "reserved_output": self._outstanding_out(),
             "hold": ({"until": iso(self.hold_state.until), "left_s": round(held, 3),
                       "cause": self.hold_state.cause}
                      if self.hold_state is not None and held > 0 else None),

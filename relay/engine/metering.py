@@ -86,9 +86,8 @@ async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
                                                         leave_if_held=run_.has_fallback)
         ticket.reservation = Reservation(need, trio.current_time(), kinds=kinds)
         ticket.token_wait_s, ticket.held_by = waited, held_by
-        holder = lane.tokens._holder()
         run_.sink.on_limits = functools.partial(_shared_limits_seen, lane, run_.record,
-                                                holder.member if holder else "")
+                                                lane.tokens.member_here())
         yield ticket
 
 
@@ -161,11 +160,11 @@ async def _run_shared(adapter: Adapter, lane: SharedLane, ticket: Ticket, run_: 
         await adapter.run(run_.call, run_.sink)
     except RelayError as exc:
         error = exc
-        holder = lane.tokens._holder()
-        began = trio.current_time() - (ticket.started_at or trio.current_time())
+        now = trio.current_time()
+        began = now - (ticket.started_at if ticket.started_at is not None else now)
         await _shielded(functools.partial(lane.tokens.seen, exc.limits, reason=exc.reason,
                                           began_s_ago=began,
-                                          member=holder.member if holder else ""), lane)
+                                          member=lane.tokens.member_here()), lane)
         raise
     finally:
         reservation = ticket.reservation

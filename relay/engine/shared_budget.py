@@ -84,6 +84,11 @@ class SharedBudget:
         task = trio.lowlevel.current_task()
         return next((m for m in self.lane._holders.values() if m.task is task), None)
 
+    def member_here(self) -> str:
+        """The place of the slot this task holds ('' : none), as the scripts name it."""
+        m = self._holder()
+        return m.member if m is not None else ""
+
     async def take(self, need: Need, *, deadline: float, leave_if_held: bool,
                    probe: bool) -> tuple[float, str | None, frozenset[str]]:
         """Wait until ``need`` fits the shared budgets and this request heads the token
@@ -181,10 +186,9 @@ class SharedBudget:
                      kinds: frozenset[str] | None) -> None:
         """Give back to the budgets it was taken from what a request reserved and did not
         use (take what it used beyond); ``kinds`` None: every budget."""
-        m = self._holder()  # (the first start after a hold ends with its settlement)
         await self._call("TOKENS_SETTLE", need.input, need.output, used_in, used_out,
                          *self._configured(), self.lane._coord.channel_prefix,
-                         m.member if m is not None else "",
+                         self.member_here(),  # (a first start after a hold ends here)
                          *sorted(kinds if kinds is not None else KINDS))
 
     # --- visibility ---------------------------------------------------------------------

@@ -232,15 +232,19 @@ local began, own = now - tonumber(ARGV[8]), ARGV[10]
 -- What requests started at or after the answering one (its own aside) take of a budget:
 -- they may not be in the provider's count yet (a burst's first answers come back while
 -- the relays are still starting the rest).
+local late_n, late_in  -- (read once, when a header first lowers a budget)
 local function late(kind)
-  if kind ~= 'input' and kind ~= 'tokens' and kind ~= 'requests' then return 0 end
-  local n = 0
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', F, began, '+inf')) do
-    if m ~= own then
-      n = n + (kind == 'requests' and 1 or tonumber(redis.call('HGET', B, 'f:' .. m) or '0'))
+  if not late_n then
+    late_n, late_in = 0, 0
+    for _, m in ipairs(redis.call('ZRANGEBYSCORE', F, began, '+inf')) do
+      if m ~= own then
+        late_n = late_n + 1
+        late_in = late_in + tonumber(redis.call('HGET', B, 'f:' .. m) or '0')
+      end
     end
   end
-  return n
+  if kind == 'requests' then return late_n end
+  return (kind == 'input' or kind == 'tokens') and late_in or 0
 end
 local i = 11
 while ARGV[i] do
