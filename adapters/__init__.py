@@ -19,12 +19,12 @@ __all__ = ["ADAPTERS", "Adapter"]
 
 _KINDS: dict[str, str] = {
     "fake": "fake:FakeAdapter",
-    "openai": "openai_compat:OpenAIAdapter",
-    "anthropic": "anthropic:AnthropicAdapter",
-    "gemini": "gemini:GeminiAdapter",
-    "claude-cli": "claude_cli:ClaudeCLIAdapter",
-    "codex-cli": "codex_cli:CodexCLIAdapter",
-    "gemini-cli": "gemini_cli:GeminiCLIAdapter",
+    "openai": "http.openai_compat:OpenAIAdapter",
+    "anthropic": "http.anthropic:AnthropicAdapter",
+    "gemini": "http.gemini:GeminiAdapter",
+    "claude-cli": "cli.claude:ClaudeCLIAdapter",
+    "codex-cli": "cli.codex:CodexCLIAdapter",
+    "gemini-cli": "cli.gemini:GeminiCLIAdapter",
 }
 
 

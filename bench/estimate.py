@@ -1,4 +1,4 @@
-"""How far relay's local token estimate (`relay.engine.estimate`) is from real tokenizers.
+"""How far relay's local token estimate (`relay.capacity.estimate`) is from real tokenizers.
 
     pip install bpe-openai        # (not a dependency of relay: only this measurement)
     python -m bench.estimate
@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from fake_metered import count_tokens, prose  # noqa: E402
 
-from relay.engine.estimate import estimate_text  # noqa: E402
+from relay.capacity.estimate import estimate_text  # noqa: E402
 
 CHINESE = ("人工智能模型按令牌计费，每分钟的输入和输出令牌都有上限。当请求过多时，服务会返回"  # noqa: RUF001
            "错误并要求稍后重试。中继在发送前估计每个请求的令牌数，并在队列中等待预算。") * 20  # noqa: RUF001

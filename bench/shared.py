@@ -22,7 +22,7 @@ Starts its own ``redis-server`` on a free loopback port and reports, in one run:
    keys, 10 arguments), sequential, p50/p99: relay's own client (hiredis's parser,
    relay's trio I/O), coredis and valkey-glide, both under trio too — where they are
    installed (``pip install coredis valkey-glide``: not relay's dependencies); why
-   relay keeps its own (see ``relay/engine/resp.py``).
+   relay keeps its own (see ``relay/redis/resp.py``).
 
 Exits non-zero when a check of part 3 fails. The numbers are printed, not asserted.
 """
@@ -50,9 +50,9 @@ from shared_helpers import Peak, body, shared_config  # noqa: E402
 from upstream import FakeUpstream, Script, serve_fake_upstream  # noqa: E402
 
 import relay  # noqa: E402
-from relay.engine.coordination import Coordinator  # noqa: E402
-from relay.engine.lanes import Lane  # noqa: E402
-from relay.engine.shared_lane import SharedLane  # noqa: E402
+from relay.capacity.lanes import Lane  # noqa: E402
+from relay.shared.coordinator import Coordinator  # noqa: E402
+from relay.shared.lane import SharedLane  # noqa: E402
 from relay.vocab.profile import Profile  # noqa: E402
 
 LEASE_S = 2.0
@@ -129,7 +129,7 @@ _SHAPED = "return {'released', #KEYS, #ARGV, -1, {}}"  # (RELEASE's reply shape)
 
 async def client_costs(url: str, port: int, n: int) -> None:
     """Part 4: one EVALSHA's round trip on relay's client, coredis and valkey-glide."""
-    from relay.engine import resp
+    from relay.redis import resp
     script = resp.Script(_SHAPED)
     keys = [f"{{bench:c}}:{k}" for k in ["h", "w", "wx", "m", "r"]]
     argv = ["inst", "relay", 2000, "", 4, 64, "0.0", "bench:wake:", "c", "member"]

@@ -74,8 +74,8 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from relay.engine.budget import Need
-from relay.engine.lanes import PRIORITIES, Lane
+from relay.capacity.budget import Need
+from relay.capacity.lanes import PRIORITIES, Lane
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import Profile
 

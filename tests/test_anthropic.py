@@ -29,14 +29,14 @@ from cloud_helpers import (
 from conftest import FAKE_ONLY, chat, lane_idle, sse_events, start_relay, wait_for
 from fake_anthropic import KEY, FakeAnthropic, Script, error_body, serve_fake_anthropic
 
-from relay.adapters.anthropic import (
+from relay.adapters.http.anthropic import (
     STOP_REASONS,
     AnthropicAdapter,
     MessageReader,
     messages_request,
     usage_of,
 )
-from relay.adapters.base import upstream_failure
+from relay.adapters.http.base import upstream_failure
 from relay.vocab.errors import REASONS, RelayError
 from relay.vocab.events import Call, Delta, Finish, Skipped, Usage
 

@@ -26,7 +26,7 @@ from conftest import chat, config_from, lane_idle, records, sse_events, wait_for
 from test_stops import close, raw_post, read_until
 
 from relay import ConfigError, Served
-from relay.adapters._limits import usage_reset_s
+from relay.adapters.limits import usage_reset_s
 
 GRACE_S = 0.5
 TOOLS = ("claude", "codex", "gemini")

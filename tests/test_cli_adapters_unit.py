@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 import relay  # noqa: F401  (imports the adapters through the registry, in order)
-from relay.adapters._cli import render
-from relay.adapters.claude_cli import E2_FENCE, classify, disguised_failure
-from relay.adapters.codex_cli import codex_failure
-from relay.adapters.gemini_cli import gemini_failure
+from relay.adapters.cli.base import render
+from relay.adapters.cli.claude import E2_FENCE, classify, disguised_failure
+from relay.adapters.cli.codex import codex_failure
+from relay.adapters.cli.gemini import gemini_failure
 from relay.vocab.errors import RelayError
 
 

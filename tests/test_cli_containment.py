@@ -283,7 +283,7 @@ run_timeout_s = 30
 
 SUBREAPER_PROBE = """
 import os, subprocess, sys, time, trio
-from relay.adapters import _process
+from relay.adapters.cli import process
 
 def state(pid):
     try:
@@ -293,9 +293,9 @@ def state(pid):
         return None
 
 async def main():
-    assert _process.become_subreaper()
+    assert process.become_subreaper()
     # A tool trio owns: it exits 7 and stays a zombie until trio reaps it.
-    tool = await _process.spawn_tool([sys.executable, "-c", "import os; os._exit(7)"],
+    tool = await process.spawn_tool([sys.executable, "-c", "import os; os._exit(7)"],
                                      env=os.environ, cwd=".", provider="t", install_hint="")
     with trio.fail_after(10):
         while state(tool.pid) != "Z":
@@ -307,7 +307,7 @@ async def main():
         while (os.getpid(), state(orphan)) != (_ppid(orphan), "S"):
             await trio.sleep(0.005)
     for _ in range(3):   # what the end of some other turn does
-        _process._sweep(-1, 0, "some-other-run", frozenset(), True)
+        process._sweep(-1, 0, "some-other-run", frozenset(), True)
         await trio.sleep(0.02)
     assert state(orphan) is None, state(orphan)        # killed and reaped
     assert await tool.wait_exit() == 7                 # trio's own child: untouched

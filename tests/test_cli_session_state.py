@@ -25,9 +25,9 @@ from test_cli_adapters_fake import answer, config, fake_log, iso, post
 from test_stops import close, raw_post
 
 import relay  # noqa: F401  (imports the adapters through the registry, in order)
-from relay.adapters._cli import MAX_ANSWER_BYTES, Outcome, Streamer, TextBuffer, Warm, WarmPool
-from relay.adapters._process import ToolProcess, spawn_tool
-from relay.adapters._session import KEEPABLE, TRANSITIONS, Event, ProtocolError, State, Wire
+from relay.adapters.cli.base import MAX_ANSWER_BYTES, Outcome, Streamer, TextBuffer, Warm, WarmPool
+from relay.adapters.cli.process import ToolProcess, spawn_tool
+from relay.adapters.cli.session import KEEPABLE, TRANSITIONS, Event, ProtocolError, State, Wire
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Delta
 

@@ -9,8 +9,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relay.adapters.anthropic import messages_request
-from relay.adapters.gemini import gemini_request
+from relay.adapters.http.anthropic import messages_request
+from relay.adapters.http.gemini import gemini_request
 from relay.dialects.anthropic_messages import parse_messages_body
 from relay.dialects.openai_chat import OPENAI
 from relay.vocab.errors import RelayError

@@ -17,7 +17,7 @@ from conftest import FAKE_ONLY, config_from
 
 import relay
 from relay import ConfigError, adapters, load_config, parse_config
-from relay.adapters.openai_compat import PRESETS, OpenAIAdapter
+from relay.adapters.http.openai_compat import PRESETS, OpenAIAdapter
 from relay.vocab.profile import REQUIRED_PROFILE_FIELDS, Profile
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -37,8 +37,8 @@ from fake_gemini import (
     serve_fake_gemini,
 )
 
-from relay.adapters.base import upstream_failure
-from relay.adapters.gemini import (
+from relay.adapters.http.base import upstream_failure
+from relay.adapters.http.gemini import (
     BROKEN,
     FINISH_REASONS,
     REFUSALS,

@@ -25,7 +25,7 @@ from conftest import chat, config_from, records, sse_events, start_relay, wait_f
 from hostile_upstream import PIECE, TEXT, Hostile, MiB, Plan, gzip_answer, serve_hostile
 
 import relay
-from relay.adapters.base import MAX_SSE_BYTES, SSEDecoder, SSETooLarge
+from relay.adapters.http.base import MAX_SSE_BYTES, SSEDecoder, SSETooLarge
 from relay.api.body import PIECE_BYTES, UpstreamBody, read_answer, read_error_text
 from relay.api.http import transport_errors
 from relay.vocab import redact

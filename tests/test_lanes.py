@@ -9,7 +9,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from relay.engine.lanes import Lane
+from relay.capacity.lanes import Lane
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import Profile
 

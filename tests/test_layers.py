@@ -22,18 +22,36 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("vocabulary", ("relay.vocab",)),
     ("adapter API", ("relay.api",)),
-    ("adapters", ("relay.adapters",)),
+    ("adapter machinery", ("relay.adapters.limits",)),
+    ("HTTP adapters", ("relay.adapters.http",)),
+    ("CLI adapters", ("relay.adapters.cli",)),
+    ("adapter registry", ("relay.adapters",)),
     ("config", ("relay.config",)),
-    ("engine", ("relay.engine",)),
+    ("Redis client", ("relay.redis",)),
+    ("capacity", ("relay.capacity",)),
+    ("shared capacity", ("relay.shared",)),
+    ("request path", ("relay.engine",)),
     ("dialects", ("relay.dialects",)),
     ("front", ("relay.front",)),
     ("assembly", ("relay.assembly", "relay.__main__", "relay")),
 ]
+_ADAPTER_BASE = {"vocabulary", "adapter API", "adapter machinery"}
 # Layers that must not reach everything below them.
 ONLY: dict[str, set[str]] = {
-    "adapters": {"vocabulary", "adapter API", "adapters"},
+    "adapter machinery": {"vocabulary", "adapter machinery"},
+    # the two rooms of adapters stand side by side: neither imports the other
+    "HTTP adapters": _ADAPTER_BASE | {"HTTP adapters"},
+    "CLI adapters": _ADAPTER_BASE | {"CLI adapters"},
+    "adapter registry": _ADAPTER_BASE | {"adapter registry"},  # kinds by name, not import
+    "Redis client": {"vocabulary", "adapter API", "config", "Redis client"},
+    "capacity": {"vocabulary", "capacity"},  # counted on trio's clock; no I/O, no server
+    "shared capacity": {"vocabulary", "adapter API", "config", "Redis client", "capacity",
+                        "shared capacity"},
     "dialects": {"vocabulary", "dialects"},  # pure: parse and render, no engine, no I/O
 }
+# A product folder holds at most this many modules (__init__ included): past it, the
+# folder has become two rooms.
+ROOM_MAX = 16
 
 
 def layer_of(module: str) -> int:
@@ -54,9 +72,11 @@ def _modules() -> dict[str, Path]:
         if parts[-1] == "__init__":
             parts.pop()
         found[".".join(parts)] = path
-    for path in sorted((ROOT / "adapters").glob("*.py")):
-        name = "relay.adapters" if path.stem == "__init__" else f"relay.adapters.{path.stem}"
-        found[name] = path
+    for path in sorted((ROOT / "adapters").rglob("*.py")):
+        parts = ["relay", "adapters", *path.relative_to(ROOT / "adapters").with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
     return found
 
 
@@ -81,17 +101,11 @@ def _targets(module: str, path: Path, node: ast.AST) -> list[tuple[int, str]]:
             for a in node.names]
 
 
-def _imports(module: str, path: Path, *, skip_type_checking: bool = False
-             ) -> list[tuple[int, str]]:
-    """Every import in the file, wherever it stands (function level included)."""
+def _imports(module: str, path: Path) -> list[tuple[int, str]]:
+    """Every import in the file, wherever it stands (function level and
+    ``TYPE_CHECKING`` included)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    guarded: set[int] = set()
-    if skip_type_checking:
-        guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and getattr(node.test, "id", None) == "TYPE_CHECKING"
-                   for child in node.body for n in ast.walk(child)}
-    return [t for node in ast.walk(tree) if id(node) not in guarded
-            for t in _targets(module, path, node)]
+    return [t for node in ast.walk(tree) for t in _targets(module, path, node)]
 
 
 MODULES = _modules()
@@ -122,33 +136,50 @@ def test_imports_point_only_downward() -> None:
 
 
 def test_no_import_cycle_between_modules() -> None:
-    """Within a layer too (``TYPE_CHECKING`` imports aside: they never run)."""
+    """Within a layer too, ``TYPE_CHECKING`` imports included: two modules that name each
+    other's types are one tangle (the shared vocabulary moves down, or one side takes a
+    protocol)."""
     graph: dict[str, set[str]] = {m: set() for m in MODULES}
     for module, path in MODULES.items():
-        for _, target in _imports(module, path, skip_type_checking=True):
+        for _, target in _imports(module, path):
             if target in graph and target != module:
                 graph[module].add(target)
     # A package's __init__ importing its own submodules is the one allowed loop shape.
-    state: dict[str, int] = {}
+    for module in graph:
+        graph[module] = {t for t in graph[module] if not t.startswith(module + ".")}
+    tangles = [sorted(c) for c in _strongly_connected(graph) if len(c) > 1]
+    assert not tangles, "import cycles: " + "; ".join(" ↔ ".join(c) for c in tangles)
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Tarjan's components: every module of one component reaches every other."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
     stack: list[str] = []
+    found: list[set[str]] = []
 
     def visit(node: str) -> None:
-        state[node] = 1
+        index[node] = low[node] = len(index)
         stack.append(node)
         for nxt in sorted(graph[node]):
-            if nxt.startswith(node + "."):
-                continue
-            if state.get(nxt) == 1:
-                cycle = [*stack[stack.index(nxt):], nxt]
-                raise AssertionError("import cycle: " + " → ".join(cycle))
-            if nxt not in state:
+            if nxt not in index:
                 visit(nxt)
-        stack.pop()
-        state[node] = 2
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component: set[str] = set()
+            while True:
+                top = stack.pop()
+                component.add(top)
+                if top == node:
+                    break
+            found.append(component)
 
     for node in sorted(graph):
-        if node not in state:
+        if node not in index:
             visit(node)
+    return found
 
 
 def test_importlib_only_in_the_adapter_registry() -> None:
@@ -170,6 +201,16 @@ def test_dialects_do_no_io() -> None:
         if layer_of(module) == layer_of("relay.dialects"):
             used = {t.partition(".")[0] for _, t in _imports(module, path)}
             assert not used & io, f"{module} imports {sorted(used & io)}"
+
+
+def test_no_room_is_crowded() -> None:
+    """Each product folder is one room of the architecture, small enough to read whole."""
+    folders: dict[Path, int] = {}
+    for path in MODULES.values():
+        folders[path.parent] = folders.get(path.parent, 0) + 1
+    crowded = [f"{d.relative_to(ROOT)} ({n} modules)" for d, n in folders.items()
+               if n > ROOM_MAX]
+    assert not crowded, f"over {ROOM_MAX} modules: " + ", ".join(crowded)
 
 
 @pytest.mark.parametrize("limit", [400])

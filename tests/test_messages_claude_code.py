@@ -34,7 +34,7 @@ from fake_anthropic import FakeAnthropic, serve_fake_anthropic
 from fake_anthropic import Script as AScript
 from upstream import FakeUpstream, Script, serve_fake_upstream
 
-from relay.adapters.anthropic import MessageReader
+from relay.adapters.http.anthropic import MessageReader
 from relay.dialects.anthropic_messages import ANTHROPIC, parse_messages_body
 from relay.dialects.base import Answer
 from relay.vocab.events import Call, Delta, Finish, Usage
@@ -258,7 +258,7 @@ async def test_thinking_history_to_an_openai_compatible_provider_is_dropped_and_
 def test_the_native_request_continues_a_partly_sent_answer() -> None:
     """A fallback to the anthropic adapter after part of an answer reached the client
     (SPEC F8) continues it: relay's continuation comes after the client's own turns."""
-    from relay.adapters.anthropic_request import native_request  # new in issue 13
+    from relay.adapters.http.anthropic_request import native_request  # new in issue 13
 
     chat = parse_messages_body(json.dumps(claude_code_body(
         [], model="ant/x", messages=copy.deepcopy(HISTORY), stream=False)).encode())

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from relay.adapters._failures import upstream_failure
-from relay.adapters._limits import (
+from relay.adapters.http.failures import upstream_failure
+from relay.adapters.limits import (
     body_limits,
     body_retry_s,
     go_duration_s,

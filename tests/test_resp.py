@@ -1,4 +1,4 @@
-"""relay.engine.resp against a real ``redis-server``: reply types and error replies, scripts
+"""relay.redis.resp against a real ``redis-server``: reply types and error replies, scripts
 by SHA-1 with the EVAL fallback after ``SCRIPT FLUSH``, pipelining kept in step when a caller
 is cancelled, ``reset``, a server restart, a server that accepts but never answers, AUTH
 (password, ACL user, wrong password), SELECT, pub/sub, URLs, a unix socket and TLS."""
@@ -16,7 +16,7 @@ import trio
 import trio.testing
 from redis_server import RedisServer, _free_port, redis_fixture, require_redis  # noqa: F401
 
-from relay.engine import resp
+from relay.redis import resp
 
 T = 1.0  # every client's timeout_s
 

@@ -11,8 +11,8 @@ from functools import partial
 import pytest
 import trio
 
-from relay.engine import resp
-from relay.engine.resp_wire import _NOT_YET, PyParser
+from relay.redis import resp
+from relay.redis.wire import _NOT_YET, PyParser
 
 
 class Fake:

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import trio
 
-from relay.engine import resp
-from relay.engine.resp_wire import (
+from relay.redis import resp
+from relay.redis.wire import (
     _NOT_YET,
     HAVE_HIREDIS,
     MAX_REPLY_BYTES,

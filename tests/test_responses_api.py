@@ -619,7 +619,7 @@ async def test_pass_through_custom_tools_natively_and_errors(nursery: trio.Nurse
 def test_responses_setting_defaults_to_the_openai_preset(tmp_path: Path) -> None:
     from conftest import config_from
 
-    from relay.adapters.openai_compat import OpenAIAdapter
+    from relay.adapters.http.openai_compat import OpenAIAdapter
 
     config = config_from("""
 [providers.oa]

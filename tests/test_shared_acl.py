@@ -21,7 +21,7 @@ from redis_server import ACL_PASSWORD, RedisServer, documented_acl, require_redi
 from shared_helpers import ROOT, body, shared_config
 from upstream import FakeUpstream
 
-from relay.engine.coordination_check import OPTIONAL, acl_line
+from relay.shared.deployment import OPTIONAL, acl_line
 
 OPTIONAL_RIGHTS = {f"+{c}" for c in OPTIONAL}
 

@@ -21,7 +21,7 @@ from shared_helpers import Peak, body, shared_config
 from upstream import FakeUpstream, Script
 
 from relay import Served
-from relay.engine import shared_scripts
+from relay.shared import lane_scripts
 
 
 def lane(served: Served) -> Any:
@@ -42,7 +42,7 @@ async def test_a_release_whose_reply_was_lost_is_not_recorded_as_expired(
         # RELEASE then goes by EVALSHA, runs on the server, and its reply is lost.
         r = await client.post(f"{served.url}/v1/chat/completions", json=body("up/m1"))
         assert r.status_code == 200
-        proxy.drop_reply_once(sha(shared_scripts.RELEASE))
+        proxy.drop_reply_once(sha(lane_scripts.RELEASE))
         r = await client.post(f"{served.url}/v1/chat/completions", json=body("up/m1"))
         assert r.status_code == 200
         assert proxy.dropped.is_set()

@@ -16,9 +16,9 @@ import trio
 from lane_fuzz import LaneUnderTest, run_seed_real_time
 from redis_server import ACL_PASSWORD, RedisServer, require_redis
 
-from relay.engine.coordination import Coordinator
-from relay.engine.coordination_check import acl_line
-from relay.engine.shared_lane import SharedLane
+from relay.shared.coordinator import Coordinator
+from relay.shared.deployment import acl_line
+from relay.shared.lane import SharedLane
 from relay.vocab.profile import Profile
 
 LEASE_S = 2.0

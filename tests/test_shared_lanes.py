@@ -210,7 +210,7 @@ async def test_the_coordination_password_is_redacted_everywhere(
 async def test_a_reload_stores_the_new_profile_for_every_relay(
         tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
         caplog: Any) -> None:
-    caplog.set_level("INFO", logger="relay.engine.shared_lane")
+    caplog.set_level("INFO", logger="relay.shared.lane")
     async with trio.open_nursery() as nursery:
         a, b, _ = await three(nursery, tmp_path, upstream, redis.url, lanes=2)
         new = config_from(shared_config(upstream, redis.url, "r0", lanes=3, queue_max=9),
@@ -369,9 +369,9 @@ async def test_a_renewal_never_reports_a_waiter_whose_acquire_is_still_on_its_wa
     yet listed that request; the server knew no such waiter and answered "gone", and
     the request failed with coordination_lost (seen after a server restart, where the
     re-registration and the retried ACQUIRE race)."""
-    from relay.engine.coordination import Coordinator
-    from relay.engine.lanes import Ticket
-    from relay.engine.shared_lane import SharedLane, _Member
+    from relay.capacity.lanes import Ticket
+    from relay.shared.coordinator import Coordinator
+    from relay.shared.lane import SharedLane, _Member
     from relay.vocab.profile import Profile
 
     coord = Coordinator(redis.url, prefix="relay", lease_s=2.0, relay_id="r")

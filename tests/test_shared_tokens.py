@@ -16,7 +16,7 @@ from fake_metered import Limits, Metered, prose, serve_metered
 from redis_server import RedisServer, redis_shared_fixture  # noqa: F401  (the fixture: default and ACL user)
 
 from relay import Served
-from relay.engine.shared_lane import SharedLane
+from relay.shared.lane import SharedLane
 from relay.vocab.limits import RateLimits
 
 

@@ -24,8 +24,8 @@ from test_cli import run_relay, write
 from webdriver import open_browser
 
 from relay import Relay, open_relay
-from relay.engine.budget import Budget, Need, estimate_input
-from relay.engine.lanes import Lane
+from relay.capacity.budget import Budget, Need, estimate_input
+from relay.capacity.lanes import Lane
 from relay.vocab.events import Call
 from relay.vocab.limits import RateLimits, Window
 from relay.vocab.profile import Profile

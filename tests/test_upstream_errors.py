@@ -580,7 +580,7 @@ async def test_a_json_answer_that_is_not_json_is_a_failure_not_a_success(
 def test_an_error_inside_the_stream_keeps_its_class() -> None:
     # Found in review: an in-stream error was always upstream_error, so a refusal could be
     # retried or fall back (SPEC F2 forbids it).
-    from relay.adapters.openai_compat import _inband_error
+    from relay.adapters.http.openai_compat import _inband_error
 
     refusal = _inband_error("up", {"message": "no", "type": "invalid_request_error",
                                    "code": "content_policy_violation"})

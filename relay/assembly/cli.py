@@ -29,11 +29,11 @@ from typing import Any
 import trio
 
 from relay.adapters import ADAPTERS
-from relay.adapters._process import become_subreaper
+from relay.adapters.cli.process import become_subreaper
 from relay.api.http import get_json, post_json
 from relay.config import PACKAGED_DEFAULT, Config, default_config_path, load_config
-from relay.engine.coordination_check import check_server
 from relay.front.guard import ACCESS_LOG
+from relay.shared.deployment import check_server
 from relay.vocab.errors import ConfigError
 
 from . import service

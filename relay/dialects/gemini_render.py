@@ -84,7 +84,7 @@ def _args(arguments: Any) -> dict[str, Any]:
 
 
 # The gemini adapter carries Gemini's thought signature inside a tool call's id, urlsafe
-# and unpadded, after this mark (adapters/gemini_request.py, `tool_call_id`).
+# and unpadded, after this mark (adapters/http/gemini_request.py, `tool_call_id`).
 _SIGNATURE = "__ts_"
 
 

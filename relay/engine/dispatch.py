@@ -40,16 +40,16 @@ import attrs
 import trio
 
 from relay.api import eager
-from relay.engine.engine import Engine
-from relay.engine.plan import FALLBACK_ON, RETRY_ON, Plan, Target
-from relay.engine.stops import RequestStop
 from relay.vocab.errors import RelayError, untraced
 from relay.vocab.events import AttemptStarted, Call, Ended
 from relay.vocab.records import Attempt, Record
 
 from . import metering
 from .attempt import AttemptSink, Changes, Delivered, Run, check_response
+from .engine import Engine
 from .notices import LaneNotices
+from .plan import FALLBACK_ON, RETRY_ON, Plan, Target
+from .stops import RequestStop
 
 __all__ = ["Dispatcher"]
 
@@ -66,6 +66,10 @@ class Dispatcher:
         self.stream = stream
         self.runs: list[Run] = []
         self.notices: LaneNotices | None = None  # made when it runs (it needs the nursery)
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.relay.config.server.heartbeat_s
 
     async def run(self, nursery: trio.Nursery, out: trio.MemorySendChannel[Any]) -> None:
         """Try the plan's targets; send the writer its events and, last, `Ended`."""

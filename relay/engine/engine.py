@@ -17,18 +17,18 @@ from pathlib import Path
 import trio
 
 from relay.api.adapter import Adapter
+from relay.capacity.lane_api import LaneLike
+from relay.capacity.lanes import Lane
 from relay.config import Config, load_config
-from relay.engine.lanes import Lane
+from relay.shared.coordinator import Coordinator
+from relay.shared.lane import SharedLane
 from relay.vocab import redact
 from relay.vocab.errors import ConfigError, RelayError
 from relay.vocab.profile import ProviderConfig
 from relay.vocab.records import RecordWriter
 
-from .coordination import Coordinator
-from .lane_api import LaneLike
 from .providers import AdapterHandle, Provider, discover
 from .response_store import ResponseStore
-from .shared_lane import SharedLane
 from .stops import RequestStop
 
 __all__ = ["Engine"]

@@ -22,28 +22,39 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
 from relay.api.adapter import Adapter
+from relay.capacity.budget import Learned, Need, Reservation, estimate_input, output_reservation
+from relay.capacity.lane_api import LaneLike
+from relay.capacity.lanes import Lane, Ticket
+from relay.shared.lane import SharedLane
 from relay.vocab.errors import RelayError
 from relay.vocab.limits import RateLimits
 from relay.vocab.records import Attempt, Record
 
 from .attempt import Delivered, Run
-from .budget import Learned, Need, Reservation, estimate_input, output_reservation
-from .lane_api import LaneLike
-from .lanes import Lane, Ticket
-from .plan import Target
-from .shared_lane import SharedLane
+from .plan import Plan, Target
 
-if TYPE_CHECKING:
-    from .dispatch import Dispatcher
-
-__all__ = ["count_wait", "need_of", "run", "slot", "wait_out"]
+__all__ = ["Attempting", "count_wait", "need_of", "run", "slot", "wait_out"]
 
 logger = logging.getLogger("relay.dispatch")
+
+
+class Attempting(Protocol):
+    """What metering reads of the request whose attempts it meters (the dispatcher)."""
+
+    priority: str
+    plan: Plan
+    record: Record
+    stream: bool
+    runs: list[Run]
+
+    @property
+    def heartbeat_s(self) -> float:
+        """How soon a queued stream's headers go out (``[server] heartbeat_s``)."""
 
 
 def need_of(run_: Run, learned_from: Learned) -> Need:
@@ -55,7 +66,7 @@ def need_of(run_: Run, learned_from: Learned) -> Need:
         call, learned, provider_max if isinstance(provider_max, int) else None))
 
 
-def slot(dispatcher: Dispatcher, run_: Run, on_queued: Callable[[], None]
+def slot(dispatcher: Attempting, run_: Run, on_queued: Callable[[], None]
          ) -> AbstractAsyncContextManager[Ticket]:
     """The attempt's lane slot, with its need when the lane keeps token budgets. It
     leaves at once while the provider is held when the plan has a later target; a
@@ -93,18 +104,9 @@ async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
 
 def _shared_limits_seen(lane: SharedLane, attempt: Attempt, member: str,
                         limits: RateLimits) -> None:
+    """Move the shared budgets to an answer's headers (in the background)."""
     began = trio.current_time() - attempt.started
-    lane._coord.start_soon(functools.partial(_tell_shared, lane, limits, began, member))
-
-
-async def _tell_shared(lane: SharedLane, limits: RateLimits, began_s_ago: float,
-                       member: str) -> None:
-    """Move the shared budgets to an answer's headers, in the coordinator's nursery: a
-    server that cannot be reached is logged, never the coordinator's (and relay's) crash."""
-    try:
-        await lane.tokens.seen(limits, ok=True, began_s_ago=began_s_ago, member=member)
-    except RelayError as exc:
-        logger.warning("shared token budget of %s not updated: %s", lane.name, exc.message)
+    lane.tokens.seen_soon(limits, began_s_ago=began, member=member)
 
 
 async def _shielded(fn: Callable[[], Any], lane: SharedLane) -> None:
@@ -112,7 +114,7 @@ async def _shielded(fn: Callable[[], Any], lane: SharedLane) -> None:
     cancelled: shielded, with the server's own deadline; a failure is logged."""
     # (noqa, ASYNC912: ``fn`` is a call to the server: it awaits its answer.)
     with trio.CancelScope(shield=True,  # noqa: ASYNC912
-                          deadline=trio.current_time() + lane._coord.command_timeout_s):
+                          deadline=trio.current_time() + lane.tokens.command_timeout_s):
         try:
             await fn()
         except RelayError as exc:
@@ -235,7 +237,7 @@ def count_wait(ticket: Ticket, record: Record) -> None:
         record.held_by = ticket.held_by
 
 
-def wait_out(dispatcher: Dispatcher, target: Target, error: RelayError | None,
+def wait_out(dispatcher: Attempting, target: Target, error: RelayError | None,
              sent: Delivered) -> bool:
     """Whether a 429 that set a hold is waited out on the same target: the last target,
     nothing of the answer sent, and a stream whose headers are out (it was queued, or
@@ -247,7 +249,7 @@ def wait_out(dispatcher: Dispatcher, target: Target, error: RelayError | None,
     record = dispatcher.record
     headers_out = (any(r.queued_at is not None for r in dispatcher.runs)
                    or trio.current_time() - record.started_at
-                   >= dispatcher.relay.config.server.heartbeat_s)
+                   >= dispatcher.heartbeat_s)
     if not headers_out or limits.hold_s > target.provider.config.profile.queue_timeout_s:
         return False
     logger.info("hold_waited_out request=%s target=%s: the provider said wait %g s; the "

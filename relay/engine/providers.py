@@ -39,13 +39,12 @@ import attrs
 import trio
 
 from relay.api.adapter import Adapter
+from relay.capacity.lane_api import LaneLike
+from relay.capacity.lanes import PRIORITIES
 from relay.vocab import redact
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import ProviderConfig
 from relay.vocab.records import Attempt, Clock, Record
-
-from .lane_api import LaneLike
-from .lanes import PRIORITIES
 
 __all__ = ["AdapterHandle", "Provider"]
 

@@ -39,10 +39,10 @@ from typing import TypeVar
 import trio
 
 from relay.api.adapter import Adapter
+from relay.capacity.lanes import Ticket
 from relay.vocab.errors import RelayError
 from relay.vocab.records import Attempt, Record
 
-from .lanes import Ticket
 from .plan import RETRY_ON, Plan, Target
 from .stops import RequestStop
 

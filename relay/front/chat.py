@@ -25,9 +25,9 @@ from typing import Any
 import attrs
 import trio
 
+from relay.capacity.lanes import PRIORITIES
 from relay.dialects.base import ChatInput
 from relay.engine.dispatch import Dispatcher
-from relay.engine.lanes import PRIORITIES
 from relay.engine.plan import Plan, make_plan
 from relay.engine.stops import RequestStop
 from relay.vocab.errors import RelayError

@@ -8,7 +8,7 @@ answer (stream or not), or on the `RelayError` of an error answer. A ``429`` tha
 (``retry-after``, ``retry-after-ms``, a reset header, the body's "try again in 2.1s",
 Gemini's ``RetryInfo``) and a CLI tool's usage-window notice with its reset time carry a
 ``hold_s``: no start on that provider until then. The engine's budgets move to them
-(`relay.engine.budget`). Pure data; imports nothing of relay.
+(`relay.capacity.budget`). Pure data; imports nothing of relay.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A burst below ``rpm`` starts at once, as a provider's own request limit lets it (a
 continuous bucket of ``rpm`` requests, a fixed minute or a sliding one: a sliding window
 is inside all three), and no minute ever holds more than ``rpm`` starts, however they
-fall. The shared lanes' pacer (`relay.engine.shared_scripts`) is the same rule on the
+fall. The shared lanes' pacer (`relay.shared.lane_scripts`) is the same rule on the
 coordination server.
 """
 

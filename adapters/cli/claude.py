@@ -34,11 +34,12 @@ from typing import Any
 import attrs
 import trio
 
+from relay.adapters.limits import usage_reset_s
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call, EventSink, Usage
 from relay.vocab.limits import RateLimits
 
-from ._cli import (
+from .base import (
     Broken,
     CLIAdapter,
     CLISettings,
@@ -48,9 +49,8 @@ from ._cli import (
     Warm,
     tool_error,
 )
-from ._limits import usage_reset_s
-from ._process import ToolProcess
-from ._session import Event, State, Wire
+from .process import ToolProcess
+from .session import Event, State, Wire
 
 __all__ = ["AUTH_PHRASES", "E2_FENCE", "QUOTA_PHRASES", "ClaudeCLIAdapter", "ClaudeSettings",
            "disguised_failure"]

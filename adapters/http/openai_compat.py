@@ -42,9 +42,9 @@ from relay.vocab.errors import RelayError, excerpt
 from relay.vocab.events import Call, Delta, EventSink, Finish, Skipped, Usage
 from relay.vocab.profile import Profile
 
-from ._responses import ResponsesReader
-from ._whole import count_of, post_json, unreadable, vector_of
 from .base import HTTPAdapter, upstream_failure
+from .responses import ResponsesReader
+from .whole import count_of, post_json, unreadable, vector_of
 
 __all__ = ["PRESETS", "OpenAIAdapter", "OpenAISettings", "Preset"]
 

@@ -2,7 +2,7 @@
 
 - `CloudAdapter`: a key from the environment (refused up front, as ``auth_required``,
   when the variable is unset), one pooled client per provider, GET-JSON for model
-  discovery; streams are read by `HTTPAdapter.read_sse` (adapters/base.py), the one SSE
+  discovery; streams are read by `HTTPAdapter.read_sse` (adapters/http/base.py), the one SSE
   reader of every HTTP adapter;
 - content-part helpers both translations use (data: URLs, JSON tool arguments).
 

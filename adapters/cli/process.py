@@ -75,7 +75,7 @@ import trio
 
 from relay.vocab.errors import RelayError
 
-from ._proctree import (
+from .proctree import (
     RUN_VAR,
     _attached,
     _forget_reaped,

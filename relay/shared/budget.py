@@ -2,12 +2,12 @@
 
 A provider with ``shared = true`` keeps its token budgets and its hold where its lanes
 are kept: on the coordination server, moved only by the Lua scripts of
-`relay.engine.shared_budget_scripts`, on the server's clock (``TIME``), never a relay's.
+`relay.shared.budget_scripts`, on the server's clock (``TIME``), never a relay's.
 What any relay takes, settles and learns from a provider's headers (or its 429s, or a
 usage-window notice) moves the same buckets, so the relays sharing one key stay inside
 its limits together.
 
-The buckets are `relay.engine.budget`'s: at most their limit (the lower of the configured
+The buckets are `relay.capacity.budget`'s: at most their limit (the lower of the configured
 figure a relay sends and the last header), refilled continuously; a header's
 ``remaining`` only ever lowers a level; a hold stops every start on every relay but a
 connection check's, and an answer begun after the hold began ends it.
@@ -28,37 +28,58 @@ also keeps its place (a relay that stops asking loses its waiters' places after
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
+from relay.capacity.budget import Learned, Need, too_large
 from relay.vocab.errors import RelayError
 from relay.vocab.limits import KINDS, RateLimits
+from relay.vocab.profile import Profile
 
-from .budget import Learned, Need, too_large
-from .shared_budget_scripts import SCRIPTS
+from .budget_scripts import SCRIPTS
+from .coordinator import Coordinator
 
-if TYPE_CHECKING:
-    from .shared_lane import SharedLane, _Member
+__all__ = ["SCRIPTS", "Place", "SharedBudget"]
 
-__all__ = ["SCRIPTS", "SharedBudget"]
+logger = logging.getLogger("relay.dispatch")
 
 _WHAT = {"requests": "request starts", "tokens": "tokens", "input": "input tokens",
          "output": "output tokens"}
 
 
+class Place(Protocol):
+    """A request's place in its shared lane (the slot it holds), as the token queue
+    sees it."""
+
+    member: str
+    rank: int
+    queued: bool  # the lane's waiting notices have begun
+    on_queued: Callable[[], None] | None
+    event: trio.Event  # set when the server says this head may go
+
+
 class SharedBudget:
-    """One shared provider's token budgets and hold (see the module docstring)."""
+    """One shared provider's token budgets and hold (see the module docstring).
+
+    It is given what it needs of its lane: the provider's name, the relay's coordinator,
+    the lane's profile as it stands (``profile``) and the place of the slot the calling
+    task holds (``holder``)."""
 
     POLL_S = 1.0
     PLACE_S = 5.0  # a token waiter's place lasts this long unless its relay asks again
 
-    def __init__(self, lane: SharedLane) -> None:
-        self.lane = lane
-        coord = lane._coord
-        base = "{" + f"{coord.prefix}:{lane.name}" + "}"
+    def __init__(self, name: str, coordinator: Coordinator, *,
+                 profile: Callable[[], Profile], holder: Callable[[], Place | None]
+                 ) -> None:
+        self.name = name
+        self._coord = coord = coordinator
+        self._profile = profile
+        self._holder = holder
+        base = "{" + f"{coord.prefix}:{name}" + "}"
         self._keys = [f"{base}:b", f"{base}:t", f"{base}:tx", f"{base}:f"]
         # (its scripts, `SCRIPTS`, are the coordinator's to run, beside its own)
         self._waiting: dict[str, tuple[int, str]] = {}  # member -> (ahead, in words)
@@ -66,23 +87,18 @@ class SharedBudget:
         self.learned = Learned()  # this relay's answers (the output reservation)
 
     def _configured(self) -> list[str]:
-        p = self.lane._local
+        p = self._profile()
         return [repr(float(p.tpm)), repr(float(p.itpm)), repr(float(p.otpm))]
 
     async def _call(self, script: str, *args: Any) -> list[Any]:
-        reply: list[Any] = await self.lane._coord.call(script, self._keys, list(args),
-                                                       provider=self.lane.name)
+        reply: list[Any] = await self._coord.call(script, self._keys, list(args),
+                                                  provider=self.name)
         return reply
 
     def waiting_for(self) -> str | None:
         """What this relay's request nearest the head of the token queue waits for, in
         words with its numbers (the waiting notices' text); None when none waits."""
         return min(self._waiting.values())[1] if self._waiting else None
-
-    def _holder(self) -> _Member | None:
-        """The slot this task holds (`SharedBudget.take` runs inside it)."""
-        task = trio.lowlevel.current_task()
-        return next((m for m in self.lane._holders.values() if m.task is task), None)
 
     def member_here(self) -> str:
         """The place of the slot this task holds ('' : none), as the scripts name it."""
@@ -103,7 +119,7 @@ class SharedBudget:
         """
         m = self._holder()
         member, rank = (m.member, m.rank) if m is not None else (
-            self.lane._coord.new_member(), 1)
+            self._coord.new_member(), 1)
         try:
             return await self._take(need, m, member, rank, deadline=deadline,
                                      leave_if_held=leave_if_held, probe=probe)
@@ -113,25 +129,25 @@ class SharedBudget:
                 # (noqa, ASYNC912: the call awaits the server's answer.)
                 with trio.CancelScope(shield=True,  # noqa: ASYNC912
                                       deadline=trio.current_time()
-                                      + self.lane._coord.command_timeout_s):
+                                      + self._coord.command_timeout_s):
                     try:
                         await self._call("TOKENS_LEAVE", member,
-                                         self.lane._coord.channel_prefix)
+                                         self._coord.channel_prefix)
                     except RelayError:
                         pass  # its place ends PLACE_S after its last question
             raise
 
-    async def _take(self, need: Need, m: _Member | None, member: str, rank: int, *,
+    async def _take(self, need: Need, m: Place | None, member: str, rank: int, *,
                     deadline: float, leave_if_held: bool, probe: bool
                     ) -> tuple[float, str | None, frozenset[str]]:
         began = trio.current_time()
         held_by: str | None = None
-        name = self.lane.name
+        name = self.name
         while True:
             reply = await self._call("TOKENS_TAKE", need.input, need.output,
                                      *self._configured(), 1 if probe else 0, member, rank,
                                      int(self.PLACE_S * 1000),
-                                     self.lane._coord.channel_prefix)
+                                     self._coord.channel_prefix)
             code = int(reply[0])
             if code == 0:
                 self._waiting.pop(member, None)
@@ -187,9 +203,28 @@ class SharedBudget:
         """Give back to the budgets it was taken from what a request reserved and did not
         use (take what it used beyond); ``kinds`` None: every budget."""
         await self._call("TOKENS_SETTLE", need.input, need.output, used_in, used_out,
-                         *self._configured(), self.lane._coord.channel_prefix,
+                         *self._configured(), self._coord.channel_prefix,
                          self.member_here(),  # (a first start after a hold ends here)
                          *sorted(kinds if kinds is not None else KINDS))
+
+    @property
+    def command_timeout_s(self) -> float:
+        """How long one call to the server may take (the coordinator's bound)."""
+        return self._coord.command_timeout_s
+
+    def seen_soon(self, limits: RateLimits, *, began_s_ago: float, member: str) -> None:
+        """`seen` for an answer's rate-limit headers, in the coordinator's nursery (the
+        answer goes on meanwhile): a server that cannot be reached is logged, never the
+        coordinator's (and relay's) crash."""
+        self._coord.start_soon(self._seen_logged, limits, began_s_ago, member)
+
+    async def _seen_logged(self, limits: RateLimits, began_s_ago: float,
+                           member: str) -> None:
+        try:
+            await self.seen(limits, ok=True, began_s_ago=began_s_ago, member=member)
+        except RelayError as exc:
+            logger.warning("shared token budget of %s not updated: %s", self.name,
+                           exc.message)
 
     # --- visibility ---------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -251,4 +286,4 @@ class SharedBudget:
         await self._call("TOKENS_SEEN", *self._configured(), hold_ms,
                          limits.cause if limits is not None else "", reason,
                          1 if ok else 0, int(began_s_ago * 1000),
-                         self.lane._coord.channel_prefix, member, *triples)
+                         self._coord.channel_prefix, member, *triples)

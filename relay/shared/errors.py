@@ -8,7 +8,7 @@ from typing import Any
 from relay.vocab.errors import RelayError
 from relay.vocab.events import LaneStatistics
 
-from .coordination import LOST_FRACTION, Coordinator
+from .coordinator import LOST_FRACTION, Coordinator
 
 __all__ = ["capacity_error", "lost_error", "mismatch_problem"]
 

@@ -14,9 +14,9 @@ import trio
 
 from relay.vocab.errors import RelayError
 
-from ._answer import Outcome
-from ._process import REAP_S, ToolProcess
-from ._session import Event, Wire
+from .answer import Outcome
+from .process import REAP_S, ToolProcess
+from .session import Event, Wire
 
 __all__ = ["CLOSE_S", "Broken", "Rpc", "Turned", "Warm", "WarmPool", "refuse"]
 

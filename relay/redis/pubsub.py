@@ -1,11 +1,11 @@
-"""A subscription of relay's Redis client (`relay.engine.resp.Client.subscribe`): its
-messages, and the pings of its health check (`relay.engine.coordination`)."""
+"""A subscription of relay's Redis client (`relay.redis.resp.Client.subscribe`): its
+messages, and the pings of its health check (`relay.shared.coordinator`)."""
 
 from __future__ import annotations
 
 import trio
 
-from .resp_wire import ConnectionLost, Reader, RespError, encode
+from .wire import ConnectionLost, Reader, RespError, encode
 
 __all__ = ["Subscription"]
 

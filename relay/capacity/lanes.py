@@ -115,7 +115,7 @@ class _Waiter:
 class Lane:
     """The slots and queue of one provider. See the module docstring."""
 
-    shared = False  # `relay.engine.lane_api.LaneLike`: counted in this process alone
+    shared = False  # `relay.capacity.lane_api.LaneLike`: counted in this process alone
 
     def __init__(self, name: str, profile: Profile, *, expected_run_s: float = 10.0) -> None:
         self.name = name

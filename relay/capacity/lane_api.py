@@ -1,7 +1,7 @@
 """The lane interface: what the dispatcher, the checks, status and metrics may ask a lane.
 
-Two implementations keep the same contract (SPEC L6-L11): `relay.engine.lanes.Lane`, a
-provider's slots counted in this process, and `relay.engine.shared_lane.SharedLane`, the
+Two implementations keep the same contract (SPEC L6-L11): `relay.capacity.lanes.Lane`, a
+provider's slots counted in this process, and `relay.shared.lane.SharedLane`, the
 same slots, queue and pacer counted across every relay on one Redis/Valkey server
 (``shared = true``). The dispatcher cannot tell them apart: ``async with
 lane.slot(priority)`` waits (priority classes, FIFO within a class, ``queue_max``, the

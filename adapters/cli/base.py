@@ -53,10 +53,10 @@ from relay.vocab.errors import RelayError
 from relay.vocab.events import Call, EventSink
 from relay.vocab.profile import Profile, default_state_dir
 
-from ._answer import MAX_ANSWER_BYTES, Outcome, Streamer, TextBuffer, render, salvage, tool_error
-from ._process import REAP_S, ToolProcess, spawn_tool
-from ._session import ProtocolError
-from ._warm import Broken, Rpc, Turned, Warm, WarmPool, refuse
+from .answer import MAX_ANSWER_BYTES, Outcome, Streamer, TextBuffer, render, salvage, tool_error
+from .process import REAP_S, ToolProcess, spawn_tool
+from .session import ProtocolError
+from .warm import Broken, Rpc, Turned, Warm, WarmPool, refuse
 
 __all__ = ["MAX_ANSWER_BYTES", "Broken", "CLIAdapter", "CLISettings", "Outcome", "Rpc",
            "Streamer", "TextBuffer", "Turned", "Warm", "WarmPool", "refuse", "render",

@@ -3,7 +3,7 @@
 Theory of operation. The state lives on the coordination server (`shared_scripts`: the
 holders with their leases, the waiters in (priority class, arrival) order, the stored
 profile, the pacer); this object is one relay's view of it and keeps the contract of
-`relay.engine.lanes.Lane` (`relay.engine.lane_api.LaneLike`):
+`relay.capacity.lanes.Lane` (`relay.capacity.lane_api.LaneLike`):
 
 - ``async with lane.slot(priority)``: one `ACQUIRE` script either grants a slot at once,
   queues the request (``queue_max`` counted globally: ``provider_queue_full`` when every
@@ -44,14 +44,14 @@ from typing import Any
 import attrs
 import trio
 
+from relay.capacity.lanes import PRIORITIES, Ticket
 from relay.vocab.errors import ConfigError, RelayError
 from relay.vocab.events import LaneStatistics
 from relay.vocab.profile import Profile
 
-from .coordination import Coordinator
-from .lanes import PRIORITIES, Ticket
-from .shared_budget import SharedBudget
-from .shared_errors import capacity_error, lost_error, mismatch_problem
+from .budget import SharedBudget
+from .coordinator import Coordinator
+from .errors import capacity_error, lost_error, mismatch_problem
 
 __all__ = ["SharedLane"]
 
@@ -102,7 +102,13 @@ class SharedLane:
         self._idle = trio.Event()
         self._idle.set()
         coordinator.add(self)
-        self.tokens = self.budget = SharedBudget(self)  # SPEC L12: on the server too
+        self.tokens = self.budget = SharedBudget(  # SPEC L12: on the server too
+            name, coordinator, profile=lambda: self._local, holder=self._holder_here)
+
+    def _holder_here(self) -> _Member | None:
+        """The slot the calling task holds (`SharedBudget.take` runs inside it)."""
+        task = trio.lowlevel.current_task()
+        return next((m for m in self._holders.values() if m.task is task), None)
 
     # --- what the relay reads -----------------------------------------------------------
     @property

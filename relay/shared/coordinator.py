@@ -1,7 +1,7 @@
 """One relay's connection to the shared lanes' server: Redis 7 or Valkey (SPEC L11).
 
 Theory of operation. A `Coordinator` lives as one task of relay's own nursery (`serve`)
-and holds, for the relay's life, a `relay.engine.resp` client (one pipelined connection,
+and holds, for the relay's life, a `relay.redis.resp` client (one pipelined connection,
 no task of its own), one pub/sub subscription on this relay's own wake-up channel, and
 the renewal loop. Every `SharedLane` of the relay calls
 the server through `call`, which bounds each command (``command_timeout_s``) and turns any
@@ -42,13 +42,14 @@ from typing import Any, Protocol
 
 import trio
 
+from relay.redis import resp
 from relay.vocab.errors import ConfigError, RelayError
 
-from . import coordination_check, resp, shared_budget, shared_scripts
+from . import budget_scripts, deployment, lane_scripts
 
 
 class CoordinatedLane(Protocol):
-    """What the coordinator asks of each shared lane (`relay.engine.shared_lane.SharedLane`,
+    """What the coordinator asks of each shared lane (`relay.shared.lane.SharedLane`,
     which imports this module)."""
 
     name: str
@@ -96,10 +97,10 @@ class Coordinator:
         self.subscribed = trio.Event()
         self._members = itertools.count()
         self._client: resp.Client | None = None
-        self._scripts = {name: resp.Script(getattr(shared_scripts, name))
+        self._scripts = {name: resp.Script(getattr(lane_scripts, name))
                          for name in ("SYNC", "ACQUIRE", "LEAVE", "RELEASE", "PUMP", "CLAIM")}
         self._scripts.update((name, resp.Script(source))  # the token budgets' (SPEC L12)
-                             for name, source in shared_budget.SCRIPTS.items())
+                             for name, source in budget_scripts.SCRIPTS.items())
         self._renew_now = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._calls = 0  # commands on their way (a stop lets them land first)
@@ -237,7 +238,7 @@ class Coordinator:
                 await self.subscribed.wait()
             await self._renew_all(at_start=True)
             if self.available:
-                await coordination_check.warn_about_eviction(client,
+                await deployment.warn_about_eviction(client,
                                                              2 * self.command_timeout_s)
             if not self.available:
                 logger.warning("shared lanes: the coordination server is unreachable at "

@@ -3,7 +3,7 @@
 Theory of operation. A provider meters continuous buckets: each budget (request starts,
 tokens, input tokens, output tokens, per minute) holds at most its limit and refills at
 limit / 60 per second. `Budget` keeps the same buckets, on a clock it is given (trio's,
-so tests run on virtual time), as a small pure object that the lane (`relay.engine.lanes`)
+so tests run on virtual time), as a small pure object that the lane (`relay.capacity.lanes`)
 asks and a shared lane's server scripts can mirror:
 
 - ``wait_s(need)``: how long until a request needing ``need`` could start (0: now); the
@@ -45,7 +45,7 @@ from .estimate import OUTPUT_FLOOR, Learned, estimate_input, estimate_text, outp
 __all__ = ["OUTPUT_FLOOR", "Budget", "Learned", "Need", "Reservation", "estimate_input",
            "estimate_text", "held_error", "output_reservation", "too_large", "too_large_error"]
 
-# (The estimate lives in `relay.engine.estimate`; re-exported here, where it is used.)
+# (The estimate lives in `relay.capacity.estimate`; re-exported here, where it is used.)
 
 _PROFILE_KEYS = {"tokens": "tpm", "input": "itpm", "output": "otpm"}
 _WHAT = {"requests": "request starts", "tokens": "tokens", "input": "input tokens",

@@ -53,9 +53,9 @@ import trio
 from relay.api import eager
 from relay.config.coordination_url import CoordinationTarget, parse_url
 
-from . import resp_sentinel
-from .resp_pubsub import Subscription
-from .resp_wire import ConnectionLost, Reader, RespError, encode
+from . import sentinel
+from .pubsub import Subscription
+from .wire import ConnectionLost, Reader, RespError, encode
 
 __all__ = ["Client", "ConnectionLost", "RespError", "Script", "Subscription", "open_client",
            "parse_url"]
@@ -303,8 +303,8 @@ class Client:
             raise ConnectionLost(f"cannot connect: {exc.strerror or exc}") from exc
 
     async def _ask_sentinels(self) -> tuple[str, int]:
-        """The primary's address (`resp_sentinel.ask`); a new one is logged."""
-        found, self._sentinel = await resp_sentinel.ask(self._target, self._timeout_s,
+        """The primary's address (`sentinel.ask`); a new one is logged."""
+        found, self._sentinel = await sentinel.ask(self._target, self._timeout_s,
                                                         self._sentinel)
         if found != self.primary:
             if self.primary is not None:
@@ -347,7 +347,7 @@ class Client:
                 for command in commands:
                     reply = await reader.reply()
                     if command == ("ROLE",):
-                        resp_sentinel.check_role(reply)
+                        sentinel.check_role(reply)
                     elif isinstance(reply, RespError) and command[0] != "CLIENT":
                         if reply.code in FAILOVER_CODES:
                             raise ConnectionLost(f"the server is not a usable primary now "

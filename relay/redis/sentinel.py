@@ -1,4 +1,4 @@
-"""Sentinel, for relay's Redis client (`relay.engine.resp`): where the primary is, as the
+"""Sentinel, for relay's Redis client (`relay.redis.resp`): where the primary is, as the
 Sentinels say (``SENTINEL get-master-addr-by-name``), and the primary's own word
 (``ROLE``) on it. No message here quotes a URL or a password."""
 
@@ -10,7 +10,7 @@ import trio
 
 from relay.config.coordination_url import CoordinationTarget
 
-from .resp_wire import ConnectionLost, Reader, RespError, encode
+from .wire import ConnectionLost, Reader, RespError, encode
 
 __all__ = ["ask", "check_role"]
 

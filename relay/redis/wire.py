@@ -1,4 +1,4 @@
-"""The RESP2 wire format, as relay's Redis client (`relay.engine.resp`) speaks it: commands
+"""The RESP2 wire format, as relay's Redis client (`relay.redis.resp`) speaks it: commands
 encoded as arrays of bulk strings, and replies parsed off a stream, in order.
 
 Replies are parsed by ``hiredis``'s `Reader` (sans-IO, incremental, in C), configured

@@ -13,7 +13,7 @@ Keys of one lane (``KEYS``; ``{prefix:provider}`` keeps them in one cluster slot
               quiet period's end, the arrival counter, "l:<instance>" (each relay's lease)
     R   zset  relay instance -> its lease's expiry (the relays present)
     P   zset  member -> when it started (ms): the pacer's window (SPEC L9: at most rpm
-              starts in any 60 s, `relay.engine.pacer`), the last minute's starts; a
+              starts in any 60 s, `relay.capacity.pacer`), the last minute's starts; a
               grant handed straight back is removed, so it was no start
 
 A member is ``<instance>|<n>``, an instance ``<relay_id>#<random>``: one relay process.

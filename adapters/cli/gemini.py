@@ -36,7 +36,7 @@ import trio
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call, EventSink, Usage
 
-from ._cli import (
+from .base import (
     Broken,
     CLIAdapter,
     CLISettings,
@@ -48,8 +48,8 @@ from ._cli import (
     refuse,
     tool_error,
 )
-from ._process import REAP_S, ToolProcess
-from ._session import Event, State, Wire
+from .process import REAP_S, ToolProcess
+from .session import Event, State, Wire
 
 __all__ = ["GeminiCLIAdapter", "GeminiSettings", "gemini_failure"]
 

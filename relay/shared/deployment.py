@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from . import resp
+from relay.redis import resp
 
 __all__ = ["acl_line", "check_server", "eviction_policy", "eviction_warning",
            "warn_about_eviction"]
@@ -27,7 +27,7 @@ __all__ = ["acl_line", "check_server", "eviction_policy", "eviction_warning",
 logger = logging.getLogger(__name__)
 
 NEEDED = ("evalsha", "eval", "subscribe", "ping",
-          # what the scripts run (relay.engine.shared_scripts)
+          # what the scripts run (relay.shared.lane_scripts)
           "time", "hget", "hmget", "hset", "hdel", "hincrby", "zadd", "zrem", "zscore",
           "zcard", "zrange", "zrangebyscore", "pttl", "pexpire", "publish", "set")
 OPTIONAL = ("info", "config|get", "role", "client|setname", "select")

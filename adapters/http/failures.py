@@ -11,10 +11,9 @@ from typing import Any, NamedTuple
 
 import attrs
 
+from relay.adapters.limits import body_limits, body_retry_s, exhausted_reset_s, read_limits
 from relay.vocab.errors import RelayError
 from relay.vocab.limits import RateLimits
-
-from ._limits import body_limits, body_retry_s, exhausted_reset_s, read_limits
 
 __all__ = ["AUTH_REASONS", "CONTEXT_PHRASES", "QUOTA_PHRASES", "parse_retry_after",
            "upstream_failure"]

@@ -50,7 +50,6 @@ from relay.vocab.errors import RelayError, excerpt
 from relay.vocab.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
 from relay.vocab.profile import Profile
 
-from ._whole import count_of, post_json, unreadable, vector_of
 from .base import upstream_failure
 from .cloud import CloudAdapter
 from .gemini_request import (
@@ -60,6 +59,7 @@ from .gemini_request import (
     split_tool_call_id,
     tool_call_id,
 )
+from .whole import count_of, post_json, unreadable, vector_of
 
 __all__ = ["BROKEN", "FINISH_REASONS", "GENERATION", "REFUSALS", "CandidateReader",
            "GeminiAdapter", "GeminiSettings", "gemini_request", "split_tool_call_id",

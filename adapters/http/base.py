@@ -29,6 +29,7 @@ from typing import Any
 
 import trio
 
+from relay.adapters.limits import read_limits
 from relay.api.adapter import Adapter
 from relay.api.body import UpstreamBody, read_answer, read_error_text
 from relay.api.http import (
@@ -43,15 +44,14 @@ from relay.vocab.errors import RelayError
 from relay.vocab.events import Delta, Event, EventSink
 from relay.vocab.limits import RateLimits
 
-from ._failures import (
+from .failures import (
     AUTH_REASONS,
     CONTEXT_PHRASES,
     QUOTA_PHRASES,
     parse_retry_after,
     upstream_failure,
 )
-from ._limits import read_limits
-from ._sse import MAX_SSE_BYTES, SSEDecoder, SSETooLarge
+from .sse import MAX_SSE_BYTES, SSEDecoder, SSETooLarge
 
 __all__ = ["AUTH_REASONS", "CONTEXT_PHRASES", "DRAIN_AFTER_FINAL_S", "MAX_SSE_BYTES",
            "QUOTA_PHRASES", "HTTPAdapter", "SSEDecoder", "SSETooLarge",

@@ -1,5 +1,5 @@
 """The Lua scripts of a shared provider's token budgets (SPEC L12 with L11); see
-`relay.engine.shared_budget` for how relays use them.
+`relay.shared.budget` for how relays use them.
 
 Keys of one lane (``KEYS``, all in the lane's ``{prefix:provider}`` cluster slot)::
 
@@ -11,7 +11,7 @@ Keys of one lane (``KEYS``, all in the lane's ``{prefix:provider}`` cluster slot
     T   zset  token waiter member -> rank * 2^40 + arrival (priority class, then FIFO)
     TX  zset  token waiter member -> when its place ends (ms) unless it asks again
 
-The buckets are `relay.engine.budget`'s, on the server's clock (``TIME``): at most the
+The buckets are `relay.capacity.budget`'s, on the server's clock (``TIME``): at most the
 limit (the lower of the configured figure a relay sends and the last header), refilled at
 limit / 60,000 a ms. Only the head of ``T`` takes tokens (SPEC L9: no barging past the
 head, whichever relay it is on); when it has taken them, leaves, or a settlement gives

@@ -51,10 +51,10 @@ from relay.vocab.errors import RelayError, excerpt
 from relay.vocab.events import Call, Delta, Event, EventSink, Finish, Skipped, Usage
 from relay.vocab.profile import Profile
 
-from ._whole import count_of, post_json, unreadable
 from .anthropic_request import DEFAULT_MAX_TOKENS, messages_request, native_request
 from .base import upstream_failure
 from .cloud import CloudAdapter
+from .whole import count_of, post_json, unreadable
 
 __all__ = ["ERROR_STATUS", "STOP_REASONS", "AnthropicAdapter", "AnthropicSettings",
            "MessageReader", "messages_request"]
