@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install what tests/test_cli_adapters_real.py needs (and opencode, a client of relay in
-# tests/test_opencode_client.py): the three command-line AI tools from
+# Install what tests/adapters/cli/test_cli_adapters_real.py needs (and opencode, a client of relay in
+# tests/clients/test_opencode_client.py): the three command-line AI tools from
 # the npm registry (global, pinned to the versions notes/cli-tools.md observed) and iproute2
 # (`ip netns`: the real tools run in a network namespace that has only loopback).
 # Idempotent: a tool already installed at its pinned version is left alone.
@@ -11,7 +11,7 @@ PINS=(
   "@anthropic-ai/claude-code@2.1.332"
   "@openai/codex@0.171.0"
   "@google/gemini-cli@0.61.0"
-  "opencode-ai@1.18.33"          # a client of relay (tests/test_opencode_client.py)
+  "opencode-ai@1.18.33"          # a client of relay (tests/clients/test_opencode_client.py)
 )
 
 if ! command -v ip >/dev/null 2>&1; then

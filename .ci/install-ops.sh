@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what the operations tests need (issue 8): headless Chromium and its WebDriver for
-# tests/test_status_page.py, and systemd-analyze for tests/test_service.py (which also
+# tests/front/test_status_page.py, and systemd-analyze for tests/assembly/test_service.py (which also
 # checks the unit without it, but verifies it with systemd when it is there).
 # Debian packages; idempotent: nothing is installed when the commands are already there.
 set -euo pipefail

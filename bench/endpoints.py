@@ -4,7 +4,7 @@ and Gemini upstreams, float and base64), ``POST /v1/messages/count_tokens`` and
 
     python -m bench.endpoints [--n N]
 
-One process: the fakes (tests/fake_endpoints.py), relay (``relay.serve`` on port 0) and
+One process: the fakes (tests/fakes/fake_endpoints.py), relay (``relay.serve`` on port 0) and
 the client (httpx, one keep-alive connection, one request at a time) share one trio
 loop on one core, so a row's absolute time includes the client's and the fake's work.
 The *added* column (relay minus direct, medians) is what a client waits longer through
@@ -57,9 +57,11 @@ async def _time(http: httpx.AsyncClient, method: str, url: str, body: Any,
 
 async def main(n: int) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    import fake_anthropic  # type: ignore[import-not-found]
-    import fake_endpoints  # type: ignore[import-not-found]
-    import fake_gemini  # type: ignore[import-not-found]
+    from fakes import (
+        fake_anthropic,  # type: ignore[import-not-found]
+        fake_endpoints,  # type: ignore[import-not-found]
+        fake_gemini,  # type: ignore[import-not-found]
+    )
 
     import relay
 

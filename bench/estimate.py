@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fake_metered import count_tokens, prose  # noqa: E402
+from fakes.fake_metered import count_tokens, prose  # noqa: E402
 
 from relay.capacity.estimate import estimate_text  # noqa: E402
 

@@ -3,7 +3,7 @@
     python -m bench.hostile [--plain-mib 256] [--gzip-mib 1024] [--sse-mib 256]
                             [--error-mib 5]
 
-Starts the hostile upstream (``tests/hostile_upstream.py``) in this process and
+Starts the hostile upstream (``tests/fakes/hostile_upstream.py``) in this process and
 ``python -m relay serve --config FILE --port 0`` as a subprocess, exactly as users start
 it, with the default ``max_upstream_bytes`` (32 MiB). Then, one case at a time:
 
@@ -41,7 +41,7 @@ import trio
 from bench.overhead import PY, ROOT, Child, rss_mib, start_relay
 
 sys.path.insert(0, str(ROOT / "tests"))
-from hostile_upstream import Hostile, MiB, Plan, gzip_answer, serve_hostile
+from fakes.hostile_upstream import Hostile, MiB, Plan, gzip_answer, serve_hostile
 
 GROWTH_LIMIT_MIB = 64.0
 BODY_LIMIT = 160 * 1024

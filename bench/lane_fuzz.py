@@ -1,4 +1,4 @@
-"""The lane fuzz, long form (SPEC L7-L10; the engine is tests/lane_fuzz.py).
+"""The lane fuzz, long form (SPEC L7-L10; the engine is tests/helpers/lane_fuzz.py).
 
     python -m bench.lane_fuzz --seeds 500            # seeds 0..499 (about 20-40 s)
     python -m bench.lane_fuzz --seed 137 --verbose   # one seed again, every violation
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from lane_fuzz import KINDS, MUTANTS, local_lane, run_seed  # type: ignore[import-not-found]
+from helpers.lane_fuzz import KINDS, MUTANTS, local_lane, run_seed  # type: ignore[import-not-found]
 
 CHECKS = {
     "idle": "a free slot never idles while someone waits and the pacer allows a start",

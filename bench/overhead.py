@@ -4,7 +4,7 @@
 
 Three processes, so the load client is never what is measured:
 
-- the fake OpenAI-compatible upstream (``tests/upstream.py``), in a subprocess of its
+- the fake OpenAI-compatible upstream (``tests/fakes/upstream.py``), in a subprocess of its
   own (``--serve-upstream PORTFILE``), with a small line-JSON control port that tells the
   bench when a tagged request arrived and when its connection closed;
 - the relay daemon, exactly as users start it: ``python -m relay serve --config FILE
@@ -272,7 +272,7 @@ def _scripts(script_class: Any) -> dict[str, Any]:
 async def serve_upstream(portfile: str) -> None:
     """Run the fake upstream and its control port until killed; announce both ports."""
     sys.path.insert(0, str(ROOT / "tests"))
-    import upstream as fake  # type: ignore[import-not-found]  # tests/upstream.py
+    from fakes import upstream as fake  # type: ignore[import-not-found]  # tests/fakes
 
     async with trio.open_nursery() as nursery:
         scripts = _scripts(fake.Script)

@@ -45,9 +45,9 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from redis_server import REDIS, RedisServer  # noqa: E402
-from shared_helpers import Peak, body, shared_config  # noqa: E402
-from upstream import FakeUpstream, Script, serve_fake_upstream  # noqa: E402
+from fakes.upstream import FakeUpstream, Script, serve_fake_upstream  # noqa: E402
+from helpers.redis_server import REDIS, RedisServer  # noqa: E402
+from helpers.shared_helpers import Peak, body, shared_config  # noqa: E402
 
 import relay  # noqa: E402
 from relay.capacity.lanes import Lane  # noqa: E402

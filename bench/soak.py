@@ -1,7 +1,7 @@
 """Soak: continuous mixed traffic through the assembled relay, 1 request in 17 cut off.
 
     python -m bench.soak --minutes 10          # the seed's 10 minutes (SPEC C5)
-    python -m bench.soak --seconds 60          # what CI runs (tests/test_soak.py)
+    python -m bench.soak --seconds 60          # what CI runs (tests/assembly/test_soak.py)
 
 Traffic: streamed and plain, all three priorities, three providers with small lane
 counts so queues form — the fake provider, a fake OpenAI-compatible upstream behind the
@@ -35,7 +35,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from upstream import FakeUpstream, Script, serve_fake_upstream  # noqa: E402
+from fakes.upstream import FakeUpstream, Script, serve_fake_upstream  # noqa: E402
 
 import relay  # noqa: E402
 

@@ -5,7 +5,7 @@
     python -m bench.tokens --only shared     # only the clients whose name has "shared"
     python -m bench.tokens --keep DIR        # the relays' records kept in DIR
 
-A fake provider (tests/fake_metered.py) publishes 100 requests, 40,000 input and 16,000
+A fake provider (tests/fakes/fake_metered.py) publishes 100 requests, 40,000 input and 16,000
 output tokens a minute (continuous buckets) on real time. Two workloads, each against six
 clients, all in one run:
 
@@ -65,8 +65,8 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fake_metered import Bucket, Limits, Metered, prompt_tokens, prose, serve_metered  # noqa: E402
-from redis_server import REDIS, RedisServer  # noqa: E402
+from fakes.fake_metered import Bucket, Limits, Metered, prompt_tokens, prose, serve_metered  # noqa: E402
+from helpers.redis_server import REDIS, RedisServer  # noqa: E402
 
 import relay  # noqa: E402
 

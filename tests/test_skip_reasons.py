@@ -2,7 +2,7 @@
 needs an outside tool skips "with a message", and `RELAY_STRICT_SKIPS=1` fails with it.
 
 pytest-trio re-raises a trio test's skip without its reason (the summary read
-``SKIPPED [20] …/_pytest/python.py:187: Skipped``); tests/conftest.py's report hook
+``SKIPPED [20] …/_pytest/python.py:187: Skipped``); tests/helpers/assembled.py's report hook
 restores it. Checked the way a user meets it: pytest run as a subprocess on a small test
 file, with this suite's conftest loaded as a plugin (``-p conftest``).
 """

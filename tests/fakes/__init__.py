@@ -1,0 +1,1 @@
+"""Fake upstreams, fake programs and the scripts that run them."""

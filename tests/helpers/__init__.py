@@ -1,0 +1,1 @@
+"""What the tests share: an assembled relay, real servers, drivers."""
