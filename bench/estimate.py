@@ -3,7 +3,7 @@
     pip install bpe-openai        # (not a dependency of relay: only this measurement)
     python -m bench.estimate
 
-For each corpus — the tests' English-like prose (`tests/fake_metered.prose`), relay's own
+For each corpus — the tests' English-like prose (`tests/fakes/fake_metered.prose`), relay's own
 README and docs (real English), Python source, JSON, and Chinese and German text — it
 prints the estimate against OpenAI's ``o200k_base`` and ``cl100k_base`` encodings (exact,
 from the ``bpe-openai`` package, which ships them) and against the fake provider's own

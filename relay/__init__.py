@@ -1,4 +1,6 @@
-"""relay: a local OpenAI-API daemon with honest traffic control.
+"""relay: a local daemon that relays AI requests — OpenAI chat and Responses, Anthropic
+Messages, Gemini, embeddings — to cloud APIs, local servers and command-line AI tools,
+with honest traffic control.
 
 Embedding (SPEC O2)::
 

@@ -39,7 +39,7 @@ and overrides of the own fields' treatment by a provider of another dialect
 (`FieldInfo.elsewhere`). `admit` sorts one call by a column. A dialect is extended by
 adding its own fields to `OWN_FIELDS` (and its relay fields to `RELAY_FIELDS`); the
 test that walks every field of every dialect through every adapter kind
-(tests/test_field_policy.py) fails on a field without a treatment.
+(tests/adapters/test_field_policy.py) fails on a field without a treatment.
 """
 
 from __future__ import annotations

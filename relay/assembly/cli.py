@@ -49,8 +49,9 @@ DEFAULT_URL = "http://127.0.0.1:8765"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="relay", description="A local OpenAI-API relay "
-                                     "with honest traffic control.")
+    parser = argparse.ArgumentParser(prog="relay", description="A local daemon that relays AI "
+                                     "requests to cloud APIs, local servers and "
+                                     "command-line AI tools, with honest traffic control.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the daemon")
     serve.add_argument("--config", help="config file (default: ./profiles.toml if present, "

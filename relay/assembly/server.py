@@ -16,7 +16,7 @@ closes a connection (or arms its keep-alive timer) from inside the app's last ``
 just after it has told the app ``http.disconnect``; quart-trio cancels its request on that
 message, so those steps were cancelled and the connection stayed open until the client
 left (a file descriptor per poller, until relay could accept nothing). They run shielded,
-with a deadline; tests/test_front_hostile.py pins it.
+with a deadline; tests/front/test_front_hostile.py pins it.
 
 Shutdown: `serve_http` stops accepting when ``shutdown`` is set, lets idle keep-alive
 connections close, drains the relay (grace, then ``shutting_down``), and returns. A

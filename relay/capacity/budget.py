@@ -4,28 +4,77 @@ Theory of operation. A provider meters continuous buckets: each budget (request 
 tokens, input tokens, output tokens, per minute) holds at most its limit and refills at
 limit / 60 per second. `Budget` keeps the same buckets, on a clock it is given (trio's,
 so tests run on virtual time), as a small pure object that the lane (`relay.capacity.lanes`)
-asks and a shared lane's server scripts can mirror:
+asks: ``wait_s(need)`` (how long until a request needing ``need`` could start; the lane's
+head waits exactly that, as it waits for the pacer, SPEC L9), ``reserve`` at the start,
+``settle`` at the end (to the usage the answer reported, or relay's estimate of what was
+sent and read, marked so), ``observe`` for an answer's headers, ``hold`` for a 429 that
+said when or a usage-window notice. The provider is the truth: where a configured figure
+(maybe this relay's share of the account) and a header (the account's ceiling) disagree,
+the lower limit wins, and a header's ``remaining`` may lower relay's count, never raise it.
 
-- ``wait_s(need)``: how long until a request needing ``need`` could start (0: now); the
-  lane's head waits exactly that, as it waits for the pacer (SPEC L9);
-- ``reserve(need)`` at the start: its estimated input plus its output reservation leave
-  the buckets; ``settle(reservation, used)`` at the end moves them to the usage the answer
-  reported (or relay's estimate of what was sent and read, marked so);
-- ``observe(limits)``: the provider is the truth. Its headers set each budget's limit
-  (where a configured figure and a header disagree, the lower wins: a configured figure
-  may be this relay's share of the account, a header is the account's ceiling); a lower
-  ``remaining`` lowers the level to it, less the output still reserved by requests in
-  flight (the provider counts output as it is produced) and the input of what relay
-  started since the answering request (a header is late by that);
-- ``hold(until)``: a 429 that said when, or a usage-window notice: no start until then.
-  An answer that *started* after the hold began and came back fine ends it early (the
-  limit has lifted: a connection check, which may pass a hold, is how relay finds out).
+A shared provider (``shared = true``) keeps the same rules in Lua on the coordination
+server (`relay.shared.budget_scripts`, on the server's clock). This table is the rules' one
+description, with where this module ("here") and the scripts ("there") keep each; ``d<n>``:
+the two differ today (notes below; tests/shared/test_budget_rules.py feeds both the same
+events: these are its xfail cases, which issue 33 is to end).
 
-A request whose need exceeds a budget's whole limit could never start: `too_large`.
-The output reservation is the request's own ``max_tokens`` (or ``max_completion_tokens``,
-``max_output_tokens``), else the provider's, else the 90th percentile of that model's
-last 100 reported answers, never below `OUTPUT_FLOOR` (docs/tokens.md).
+  rule                                                 today  here             there
+  ---------------------------------------------------- ------ ---------------- -------------
+  a budget's limit: the lower of the configured figure        _Bucket.limit    limit_of
+  and the last header's
+  a configured figure changed (a reload)               d1     update_profile   (each call's)
+  a bucket: at most its limit, refilled at limit / 60         _Bucket.refill   level_of
+  a second since its last stored refill
+  the need: the estimated input plus the output               `.estimate`      the same
+  reservation (docs/tokens.md)
+  a need starts when every budget holds min(need,             wait_s           TOKENS_TAKE
+  limit) (a request start: 1); else it waits for the
+  refill
+  a start takes the need from every budget with a      d2     reserve          TOKENS_TAKE
+  limit; it is in flight until settled
+  a need above a budget's whole limit never starts     d3     too_large        TOKENS_TAKE
+  settlement: each budget it took from gets back what  d4     settle           TOKENS_SETTLE
+  was reserved and not used (or gives what was used
+  beyond), up to its limit; request starts stay taken
+  a header's limit sets the budget's (a new one        d5     observe          TOKENS_SEEN
+  appears)
+  a header's remaining lowers the level to it (never   d6 d7  observe, _late   TOKENS_SEEN
+  raises it) less what relay started since the
+  answering request, its own aside: their input, one
+  start each
+  a header's reset sets nothing (an adapter turns a           -                -
+  used-up budget's reset into a hold)
+  a hold: no start until it ends but a connection      d8     hold, hold_left  TOKENS_SEEN,
+  check's; a later end replaces it; no cap                                     TOKENS_TAKE
+  an answer begun after the hold began, fine, ends it         observe(ok)      TOKENS_SEEN
+  the first start after a hold goes alone until an     d9 d10 _probe           first,
+  answer is back, it is settled or a new hold comes                            first_due
+
+- d1: a changed figure refills the time since the last stored refill at its new rate, and
+  here each look stores one (status, wait_s), there only a take, a settlement, a header;
+  a figure removed and set again within a minute starts whole here, at its old level there.
+- d2: here a start while no budget is known reserves nothing (`Budget.active` is false:
+  the lane asks nothing), so a later header does not count it as started since.
+- d3: during a hold the lane refuses it at once here; the scripts say "held" (they judge
+  the size only for the head of the token queue, once no hold stands).
+- d4: here a request started before a header lowered a level gives back no input (the
+  header counted what it sent), only output; the scripts give back both.
+- d5: a limit without a remaining, for a budget not known yet: empty here, whole there.
+- d6: here the output reserved by requests in flight is taken off a ``remaining`` as well
+  (tokens and output: the provider counts output as it is produced); not there.
+- d7: a remaining at or above the (new) limit: here the level becomes the limit less what
+  started since; there it stays (only a remaining below the level moves it).
+- d8: the scripts' keys expire an hour after their last use (a start never settled is
+  forgotten an hour after it began): a hold, or a header's limit, unused that long is gone.
+- d9: there the first start goes alone for at most 30 s (``FIRST_MS``: its relay may die).
+- d10: here a connection check started after the hold is the first start; never there.
+
+(A lower limit holds the level to it at once there, at the next refill here: the same as
+soon as any time has passed.)
 """
+
+# layers: long because its theory of operation holds the one table of the token-budget
+# rules that this module and the shared Lua scripts (relay.shared.budget_scripts) both keep.
 
 from __future__ import annotations
 

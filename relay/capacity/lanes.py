@@ -41,7 +41,7 @@ budget's whole limit is refused at once (``request_too_large``); one that would 
 held by the provider when its queue timeout passes — or that has a fallback to go to
 (``leave_if_held``) — leaves at once with the hold's Retry-After.
 
-`tests/lane_fuzz.py` checks these rules at every step of random runs (SPEC L7-L10).
+`tests/helpers/lane_fuzz.py` checks these rules at every step of random runs (SPEC L7-L10).
 
 All bookkeeping is synchronous between checkpoints, so no lock is needed.
 """

@@ -4,7 +4,7 @@ field it knows, with the type and range it must have (issue 27).
 Each dialect's ``parse`` calls `relay.dialects.typed.check` with its schema first, so a
 wrong type or range is a 400 ``invalid_request`` naming the field's path before anything
 else reads the body. A further dialect adds its schema here (and one line to
-tests/test_typed_requests.py's ``FRONTS``, which sends every field of every schema, with
+tests/dialects/test_typed_requests.py's ``FRONTS``, which sends every field of every schema, with
 wrong types and edge values, to every adapter kind).
 
 Ranges are the providers' own (OpenAI's ``temperature`` 0-2, Anthropic's 0-1,

@@ -16,7 +16,7 @@ every field unless its spec says ``nullable=False``: OpenAI's clients send ``nul
 "the default", and the field policy treats a null as asking for nothing.
 
 A further dialect plugs in by declaring its own `Schema` and calling `check` first in
-its ``parse`` (the property test, tests/test_typed_requests.py, walks every field of
+its ``parse`` (the property test, tests/dialects/test_typed_requests.py, walks every field of
 every schema it is given; adding a dialect there is one line).
 
 The cost: only the fields a request holds are visited, and a path is built only for a

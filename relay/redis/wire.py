@@ -6,7 +6,7 @@ with relay's error classes: an error reply is a `RespError` object, inside an ar
 (a script's reply may hold one). Where hiredis has no wheel, `PyParser` does the same in
 Python, incrementally too: each element is parsed once, as it completes, and a reply
 that has only partly arrived resumes where it stopped (a 2 MiB array costs twice a
-1 MiB one, never four times; ``tests/test_resp_parser.py`` measures it).
+1 MiB one, never four times; ``tests/redis/test_resp_parser.py`` measures it).
 """
 
 from __future__ import annotations

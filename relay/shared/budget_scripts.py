@@ -11,13 +11,14 @@ Keys of one lane (``KEYS``, all in the lane's ``{prefix:provider}`` cluster slot
     T   zset  token waiter member -> rank * 2^40 + arrival (priority class, then FIFO)
     TX  zset  token waiter member -> when its place ends (ms) unless it asks again
 
-The buckets are `relay.capacity.budget`'s, on the server's clock (``TIME``): at most the
-limit (the lower of the configured figure a relay sends and the last header), refilled at
-limit / 60,000 a ms. Only the head of ``T`` takes tokens (SPEC L9: no barging past the
-head, whichever relay it is on); when it has taken them, leaves, or a settlement gives
-tokens back, the (new) head's relay is told at once (``g <member>`` on its wake-up
-channel, as a slot's grant is). A connection check (a probe) passes the queue and any
-hold. The keys expire an hour after their last use.
+The rules these scripts keep are `relay.capacity.budget`'s, on the server's clock
+(``TIME``, in ms): the table in its theory of operation is their one description, names
+the script that keeps each, and marks where these scripts differ from the local budget
+today. What is theirs alone is the token queue: only the head of ``T`` takes tokens (SPEC
+L9: no barging past the head, whichever relay it is on); when it has taken them, leaves,
+or a settlement gives tokens back, the (new) head's relay is told at once (``g <member>``
+on its wake-up channel, as a slot's grant is). A connection check (a probe) passes the
+queue, as it passes a hold. The keys expire an hour after their last use.
 """
 
 from __future__ import annotations
@@ -180,9 +181,8 @@ return done({0})
 """
 
 # ARGV: reserved in, reserved out, used in, used out, configured tpm, itpm, otpm, the
-# channel prefix, member, then the budgets it was taken from (TOKENS_TAKE's reply). What
-# was reserved and not used goes back to them (a budget that appeared since took
-# nothing): the head may fit now; the first start after a hold has ended.
+# channel prefix, member, then the budgets it was taken from (TOKENS_TAKE's reply). The
+# settlement and the first start after a hold: the table's rows; the head may fit now.
 TOKENS_SETTLE = _BUDGET_PRELUDE + r"""
 local r_in, r_out, u_in, u_out = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
                                  tonumber(ARGV[4])
@@ -222,9 +222,8 @@ return done({0})
 # ARGV: configured tpm, itpm, otpm; hold_ms (0: none), cause, reason, ok (1: an answer
 # came back; one begun after any hold: it has lifted), began (ms ago it began), the
 # channel prefix, its member ('' : not known), then (kind, limit, remaining) triples (''
-# for a figure not said). A header's remaining only ever lowers a level, and then less
-# what was started since the answering request (a header is late by that). A hold makes the
-# first start after it go alone, until an answer comes back or it ends (TOKENS_SETTLE).
+# for a figure not said). What a header's limit and remaining, a hold and an answer do:
+# the table's rows (`relay.capacity.budget`).
 TOKENS_SEEN = _BUDGET_PRELUDE + r"""
 local cfg = {requests = '0', tokens = ARGV[1], input = ARGV[2], output = ARGV[3]}
 local hold_ms, cause, reason, ok = tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7]

@@ -180,7 +180,7 @@ def test_codex_answers_on_fake_echo_with_its_default_tools(stage: Stage,
                                                            tmp_path: Path) -> None:
     stage.work = tmp_path
     before = len(stage.records())
-    # The README's settings ("Coding agents"), retries off included.
+    # docs/agents.md's settings, retries off included.
     events = run_codex(stage, "fake/echo", "Say hello to FAKE-ECHO-7.",
                        provider_extra="request_max_retries = 0\nstream_max_retries = 0\n")
     messages = [e["item"]["text"] for e in events if e.get("type") == "item.completed"

@@ -1,5 +1,5 @@
 """The real opencode (``opencode run``, pinned opencode-ai 1.18.33, installed by
-`.ci/install-clis.sh`) as a *client* of relay, with the README's settings ("Coding
+`.ci/install-clis.sh`) as a *client* of relay, with docs/agents.md's settings ("Coding
 agents": relay as an ``@ai-sdk/openai-compatible`` provider in ``opencode.json``).
 
 opencode and ``relay serve`` on the packaged default config run inside a network
@@ -116,7 +116,7 @@ def stage() -> Iterator[Stage]:
 
 
 def opencode_json(url: str) -> dict[str, Any]:
-    """The README's ``opencode.json`` (section "Coding agents"), at relay's URL."""
+    """docs/agents.md's ``opencode.json``, at relay's URL."""
     return {
         "$schema": "https://opencode.ai/config.json",
         "autoupdate": False,

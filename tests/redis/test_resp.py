@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from helpers.redis_server import RedisServer, _free_port, redis_fixture, require_redis  # noqa: F401
+from helpers.redis_server import RedisServer, _free_port, require_redis
 
 from relay.redis import resp
 

@@ -1,5 +1,5 @@
 """Shared lanes (SPEC O6) with a least-privilege ACL user and a chosen eviction policy, on
-a real ``redis-server``: the README's ACL line is the one relay builds; `relay config
+a real ``redis-server``: docs/operators.md's ACL line is the one relay builds; `relay config
 check` names what the server refuses (with that line) and an eviction policy that could
 evict lane keys; ``relay serve`` warns about that policy at start; a user with only the
 required commands (no INFO, CONFIG, ROLE, CLIENT SETNAME) still serves. (Every test of
@@ -42,7 +42,7 @@ async def config_check(tmp_path: Path, text: str) -> tuple[int, str]:
     return done.returncode, done.stdout.decode() + done.stderr.decode()
 
 
-def test_the_readme_line_is_the_one_relay_builds() -> None:
+def test_the_documented_acl_line_is_the_one_relay_builds() -> None:
     assert documented_acl() == acl_line("relay")
 
 

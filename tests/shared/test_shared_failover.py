@@ -17,7 +17,7 @@ import trio
 from fakes.upstream import FakeUpstream, Script
 from helpers.assembled import records, start_relay, wait_for
 from helpers.redis_proxy import open_proxy
-from helpers.redis_server import RedisServer, Sentinel, redis_shared_fixture, require_redis  # noqa: F401
+from helpers.redis_server import RedisServer, Sentinel, acl_user_only, require_redis
 from helpers.shared_helpers import Peak, body, shared_config
 
 from relay import Served
@@ -247,6 +247,7 @@ async def test_a_sentinel_failover_under_load_never_exceeds_lanes(
             server.stop()
 
 
+@acl_user_only
 async def test_a_subscription_silently_dropped_on_the_way_is_noticed_and_renewed(
         tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
         client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture) -> None:

@@ -14,7 +14,7 @@ import httpx
 import trio
 from fakes.upstream import FakeUpstream, Script
 from helpers.assembled import records, start_relay, wait_for
-from helpers.redis_server import RedisServer, redis_shared_fixture, require_redis  # noqa: F401
+from helpers.redis_server import RedisServer, acl_user_only, require_redis
 from helpers.shared_helpers import Peak, body, shared_config, start_serve
 
 from relay import Served
@@ -40,6 +40,7 @@ async def _kill(child: Any) -> None:
     with trio.CancelScope(shield=True), trio.move_on_after(10):
         await child.proc.wait()
 
+@acl_user_only
 async def test_kill_9_of_a_relay_holding_slots_gives_them_back_within_the_lease(
         tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
         client: httpx.AsyncClient) -> None:
@@ -87,6 +88,7 @@ async def test_a_profile_mismatch_stops_the_second_relay_at_start_with_exit_2(
         nursery.cancel_scope.cancel()
 
 
+@acl_user_only
 async def test_a_stopped_server_gives_honest_503s_and_service_resumes(
         tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
         client: httpx.AsyncClient) -> None:
@@ -138,6 +140,7 @@ async def test_a_stopped_server_gives_honest_503s_and_service_resumes(
         nursery.cancel_scope.cancel()
 
 
+@acl_user_only
 async def test_a_server_restart_loses_the_state_and_nothing_is_over_admitted(
         tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
         client: httpx.AsyncClient) -> None:
@@ -179,10 +182,11 @@ async def test_a_server_restart_loses_the_state_and_nothing_is_over_admitted(
         nursery.cancel_scope.cancel()
 
 
+@acl_user_only
 async def test_a_relay_paused_longer_than_its_lease_over_admits_until_it_wakes(
         tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
         client: httpx.AsyncClient) -> None:
-    """Documented (README): a relay stopped (SIGSTOP, a suspended laptop) for longer than
+    """Documented (docs/operators.md): a relay stopped (SIGSTOP, a suspended laptop) for longer than
     its lease loses its slot on the server, which grants it to another relay while the
     stopped relay's own call is still open at the upstream — so the upstream sees more
     than ``lanes`` until the stopped relay wakes. When it wakes, its request is stopped
@@ -218,6 +222,7 @@ async def test_a_relay_paused_longer_than_its_lease_over_admits_until_it_wakes(
         await _kill(child)
 
 
+@acl_user_only
 async def test_a_waiter_that_left_while_the_server_was_stopped_does_not_block_the_queue(
         tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
         client: httpx.AsyncClient) -> None:

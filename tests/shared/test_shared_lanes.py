@@ -16,7 +16,7 @@ import httpx
 import trio
 from fakes.upstream import FakeUpstream, Script
 from helpers.assembled import config_from, records, start_relay, wait_for
-from helpers.redis_server import RedisServer, redis_shared_fixture  # noqa: F401  (the fixture)
+from helpers.redis_server import RedisServer, acl_user_only
 from helpers.shared_helpers import Peak, body, shared_config
 
 import relay
@@ -50,6 +50,7 @@ async def all_idle(relays: list[Served], redis: RedisServer) -> None:
     assert redis.command("ZCARD", "{relay:up}:w").strip() == b":0"
 
 
+@acl_user_only
 async def test_three_relays_under_load_with_cut_offs_never_exceed_lanes(
         tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
         client: httpx.AsyncClient) -> None:
@@ -385,6 +386,7 @@ async def test_a_renewal_never_reports_a_waiter_whose_acquire_is_still_on_its_wa
     assert not on_its_way.gone
 
 
+@acl_user_only
 async def test_a_late_renewal_does_not_fail_a_waiting_request(
         tmp_path: Path, upstream: FakeUpstream, redis: RedisServer,
         client: httpx.AsyncClient) -> None:

@@ -13,11 +13,13 @@ import httpx
 import trio
 from fakes.fake_metered import Limits, Metered, prose, serve_metered
 from helpers.assembled import start_relay
-from helpers.redis_server import RedisServer, redis_shared_fixture  # noqa: F401  (the fixture: default and ACL user)
+from helpers.redis_server import RedisServer, acl_user_only
 
 from relay import Served
 from relay.shared.lane import SharedLane
 from relay.vocab.limits import RateLimits
+
+pytestmark = acl_user_only  # long, on real time (helpers.redis_server)
 
 
 def shared(url: str, redis_url: str, relay_id: str, profile: str = "") -> str:
@@ -160,10 +162,14 @@ async def test_a_hold_one_relay_heard_holds_the_others(
 async def test_a_large_request_waiting_for_tokens_is_not_passed_by_later_small_ones(
         tmp_path: Path, redis: RedisServer) -> None:
     async with trio.open_nursery() as nursery:
-        # 12,000 input tokens a minute (200 a second), configured; no headers.
+        # 12,000 input tokens a minute (200 a second); relay is configured 5 % under it,
+        # no headers. (Not to the last token: relay's estimate of a short prompt is a few
+        # tokens under the provider's count, and the two refill on different clocks: on a
+        # busy machine a small request met "Used 11,894, Requested 107". The margin relay
+        # keeps by itself at a bucket's edge is the metering issue's, 33.)
         fake: Metered = await nursery.start(functools.partial(
             serve_metered, Limits(rpm=6000, itpm=12_000, otpm=600_000), send_headers=False))
-        relays = await three(nursery, tmp_path, fake, redis, "itpm = 12000")
+        relays = await three(nursery, tmp_path, fake, redis, "itpm = 11400")
         url = [f"{served.url}/v1/chat/completions" for served in relays]
         async with httpx.AsyncClient(trust_env=False, timeout=60.0) as client:
             drain = {"model": "p/m-out5", "max_tokens": 5, "messages": [
