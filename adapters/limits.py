@@ -13,15 +13,16 @@ of a window the headers say is used up.
 from __future__ import annotations
 
 import datetime
+import math
 import re
 import time
 import zoneinfo
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from relay.vocab.limits import RateLimits, Window
 
-__all__ = ["body_limits", "body_retry_s", "exhausted_reset_s", "go_duration_s", "read_limits",
-           "reset_time_s", "usage_reset_s"]
+__all__ = ["body_limits", "body_retry_s", "exhausted_reset_s", "figure", "go_duration_s",
+           "read_limits", "reset_time_s", "usage_reset_s"]
 
 _OPENAI = {"requests": "requests", "tokens": "tokens"}
 _ANTHROPIC = {"requests": "requests", "tokens": "tokens", "input-tokens": "input",
@@ -32,11 +33,18 @@ _SCALE = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6,
 _TRY_AGAIN = re.compile(r"try again in ((?:\d+(?:\.\d*)?(?:h|ms|m|s))+)", re.IGNORECASE)
 
 
+def figure(value: float) -> float | None:
+    """A provider's figure as relay may use it: finite and not negative, else None (an
+    ``inf``, ``1e400`` or ``-5`` in a header is a provider gone wrong, SPEC L12a)."""
+    return value if math.isfinite(value) and value >= 0 else None
+
+
 def go_duration_s(value: str) -> float | None:
-    """``6m0s`` → 360.0, ``1.2s`` → 1.2, ``250ms`` → 0.25; a bare number is seconds."""
+    """``6m0s`` → 360.0, ``1.2s`` → 1.2, ``250ms`` → 0.25; a bare number is seconds.
+    None: not a duration (unparseable, non-finite or negative)."""
     value = value.strip()
     try:
-        return max(0.0, float(value))
+        return figure(float(value))
     except ValueError:
         pass
     pos, total = 0, 0.0
@@ -45,7 +53,7 @@ def go_duration_s(value: str) -> float | None:
             return None
         total += float(match[1]) * _SCALE[match[2]]
         pos = match.end()
-    return total if pos == len(value) and pos > 0 else None
+    return figure(total) if pos == len(value) and pos > 0 else None
 
 
 def reset_time_s(value: str, now: float | None = None) -> float | None:
@@ -66,45 +74,56 @@ def body_retry_s(text: str) -> float | None:
     return go_duration_s(match[1]) if match else None
 
 
-def _number(value: str | None) -> float | None:
-    if value is None:
-        return None
+def _number(value: str) -> float | None:
     try:
-        return float(value.strip())
+        return figure(float(value.strip()))
     except ValueError:
         return None
 
 
+def _read(headers: Mapping[str, str], name: str, parse: Callable[[str], float | None],
+          ignored: list[str]) -> float | None:
+    """One header's figure; one that is there but unusable is named in ``ignored``."""
+    value = headers.get(name)
+    if value is None:
+        return None
+    number = parse(value)
+    if number is None:
+        ignored.append(f"{name}: {value[:40]}")
+    return number
+
+
 def read_limits(headers: Mapping[str, str]) -> RateLimits | None:
-    """The rate-limit headers of one answer, or None when it sent none."""
+    """The rate-limit headers of one answer, or None when it sent none. A figure that is
+    not a finite, non-negative number is ignored and named in ``ignored``."""
     windows: dict[str, Window] = {}
+    ignored: list[str] = []
     family = ""
     for prefix, names, reset, who in (
             ("x-ratelimit-", _OPENAI, go_duration_s, "openai"),
             ("anthropic-ratelimit-", _ANTHROPIC, reset_time_s, "anthropic")):
         for name, kind in names.items():
             if prefix == "x-ratelimit-":
-                limit = headers.get(f"{prefix}limit-{name}")
-                remaining = headers.get(f"{prefix}remaining-{name}")
-                resets = headers.get(f"{prefix}reset-{name}")
+                keys = (f"{prefix}limit-{name}", f"{prefix}remaining-{name}",
+                         f"{prefix}reset-{name}")
             else:
-                limit = headers.get(f"{prefix}{name}-limit")
-                remaining = headers.get(f"{prefix}{name}-remaining")
-                resets = headers.get(f"{prefix}{name}-reset")
-            if limit is None and remaining is None:
+                keys = (f"{prefix}{name}-limit", f"{prefix}{name}-remaining",
+                         f"{prefix}{name}-reset")
+            if keys[0] not in headers and keys[1] not in headers:
                 continue
             family = family or who
-            window = Window(_number(limit), _number(remaining),
-                            reset(resets) if resets else None)
+            window = Window(_read(headers, keys[0], _number, ignored),
+                            _read(headers, keys[1], _number, ignored),
+                            _read(headers, keys[2], reset, ignored))
             if kind in windows:  # both families: keep the tighter reading
                 old = windows[kind]
                 if (old.remaining is not None and window.remaining is not None
                         and old.remaining <= window.remaining):
                     continue
             windows[kind] = window
-    if not windows:
+    if not windows and not ignored:
         return None
-    return RateLimits(windows=windows, family=family)
+    return RateLimits(windows=windows, family=family, ignored=tuple(ignored))
 
 
 def exhausted_reset_s(limits: RateLimits | None) -> float | None:

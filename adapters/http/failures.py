@@ -11,7 +11,13 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from relay.adapters.limits import body_limits, body_retry_s, exhausted_reset_s, read_limits
+from relay.adapters.limits import (
+    body_limits,
+    body_retry_s,
+    exhausted_reset_s,
+    figure,
+    read_limits,
+)
 from relay.vocab.errors import RelayError
 from relay.vocab.limits import RateLimits
 
@@ -19,24 +25,38 @@ __all__ = ["AUTH_REASONS", "CONTEXT_PHRASES", "QUOTA_PHRASES", "parse_retry_afte
            "upstream_failure"]
 
 
-def parse_retry_after(headers: Mapping[str, str]) -> float | None:
-    """Seconds from ``retry-after-ms``, ``retry-after`` (seconds or an HTTP date)."""
+def parse_retry_after(headers: Mapping[str, str], ignored: list[str] | None = None
+                      ) -> float | None:
+    """Seconds from ``retry-after-ms``, ``retry-after`` (seconds or an HTTP date). A
+    value that is not a finite, non-negative figure is ignored and named in ``ignored``
+    (SPEC L12a: ``inf``, ``1e400``, ``-1`` say nothing relay can wait for)."""
+    said = ignored if ignored is not None else []
     ms = headers.get("retry-after-ms")
     if ms:
         try:
-            return max(0.0, float(ms) / 1000)
+            seconds = figure(float(ms) / 1000)
         except ValueError:
-            pass
+            seconds = None
+        if seconds is not None:
+            return seconds
+        said.append(f"retry-after-ms: {ms[:40]}")
     value = headers.get("retry-after")
     if not value:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = figure(float(value))
     except ValueError:
-        pass
+        seconds = _http_date_s(value)
+    if seconds is None:
+        said.append(f"retry-after: {value[:40]}")
+    return seconds
+
+
+def _http_date_s(value: str) -> float | None:
+    """An HTTP date as seconds from now (never below 0); None: not a date."""
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     return max(0.0, when.timestamp() - time.time())
 
@@ -113,7 +133,7 @@ def _duration_s(value: Any) -> float | None:
     """A protobuf Duration as JSON (``"43s"``, ``"0.5s"``) in seconds."""
     if isinstance(value, str) and value.endswith("s"):
         try:
-            return max(0.0, float(value[:-1]))
+            return figure(float(value[:-1]))
         except ValueError:
             return None
     return None
@@ -134,13 +154,15 @@ def _is_quota(said: _Said, lowered: str) -> bool | None:
 
 
 def _said_when(headers: Mapping[str, str], text: str, said: _Said,
-               limits: RateLimits | None) -> tuple[float | None, str]:
+               limits: RateLimits | None, ignored: list[str]) -> tuple[float | None, str]:
     """When a 429 said a start may come again, and what said so (SPEC L12): the
     ``retry-after-ms``/``retry-after`` header, the body's "try again in …", Gemini's
     ``RetryInfo``, or the reset of a window the headers say is used up."""
-    retry = parse_retry_after(headers)
+    retry = parse_retry_after(headers, ignored)
     if retry is not None:
-        name = "retry-after-ms" if headers.get("retry-after-ms") else "retry-after"
+        name = ("retry-after-ms" if headers.get("retry-after-ms")
+                and not any(i.startswith("retry-after-ms:") for i in ignored)
+                else "retry-after")
         return retry, f"{name}: {headers.get(name)}"
     retry = body_retry_s(text)
     if retry is not None:
@@ -184,13 +206,17 @@ def upstream_failure(
         if quota:
             return RelayError("quota_exhausted", f"{said_it}. The account's quota is used "
                               "up.", **common)
-        retry, cause = _said_when(headers, text, said, limits)
+        ignored: list[str] = []
+        retry, cause = _said_when(headers, text, said, limits, ignored)
         taught = body_limits(text)  # the budget it met, named in its words
         if taught and (limits is None or not limits.windows):
-            limits = common["limits"] = RateLimits(windows=taught)
-        if retry is not None:  # it said when: every start on the provider waits (L12)
-            common["limits"] = attrs.evolve(limits or RateLimits(), hold_s=retry,
-                                            cause=cause)
+            limits = common["limits"] = RateLimits(
+                windows=taught, ignored=limits.ignored if limits is not None else ())
+        if retry is not None or ignored:  # it said when: every start waits (L12)
+            base = limits or RateLimits()
+            common["limits"] = attrs.evolve(base, hold_s=retry,
+                                            cause=cause if retry is not None else "",
+                                            ignored=base.ignored + tuple(ignored))
         return RelayError("rate_limited", f"{said_it}. The provider is rate limiting; retry "
                           "after the time it gave.",
                           retry_after_s=retry if retry is not None else 1.0,

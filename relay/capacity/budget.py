@@ -91,8 +91,9 @@ from relay.vocab.profile import Profile
 
 from .estimate import OUTPUT_FLOOR, Learned, estimate_input, estimate_text, output_reservation
 
-__all__ = ["OUTPUT_FLOOR", "Budget", "Learned", "Need", "Reservation", "estimate_input",
-           "estimate_text", "held_error", "output_reservation", "too_large", "too_large_error"]
+__all__ = ["OUTPUT_FLOOR", "USAGE_WINDOW_MAX_HOLD_S", "Budget", "Learned", "Need",
+           "Reservation", "bounded_hold", "estimate_input", "estimate_text", "held_error",
+           "output_reservation", "too_large", "too_large_error"]
 
 # (The estimate lives in `relay.capacity.estimate`; re-exported here, where it is used.)
 
@@ -187,6 +188,7 @@ class Budget:
 
     # --- configuration ------------------------------------------------------------------
     def update_profile(self, profile: Profile) -> None:
+        self.max_hold_s = profile.max_hold_s
         for kind, key in _PROFILE_KEYS.items():
             figure = float(getattr(profile, key))
             bucket = self._buckets.get(kind)
@@ -338,8 +340,8 @@ class Budget:
                     bucket.level = said - self._late(kind, started_at, own)
                     self._tightened_at = now
             if limits.hold_s is not None and limits.hold_s > 0:
-                self.hold(now + limits.hold_s, limits.cause or "the provider said wait",
-                          reason)
+                hold_s, cause = bounded_hold(limits, self.max_hold_s, reason)
+                self.hold(now + hold_s, cause, reason)
         if ok:
             self._probe = None  # an answer came back: the rest may start
             if (self.hold_state is not None and started_at is not None
@@ -413,6 +415,21 @@ class Budget:
                              else sum(self._buckets[k].limit for k in ("input", "output")
                                       if k in self._buckets) or None),
         }
+
+
+USAGE_WINDOW_MAX_HOLD_S = 86_400.0  # a usage-window notice that names its reset (L12a)
+
+
+def bounded_hold(limits: RateLimits, max_hold_s: float, reason: str) -> tuple[float, str]:
+    """The hold relay keeps for what a provider said, and its cause in words: no longer
+    than ``max_hold_s`` for a 429, a day for a usage-window notice (SPEC L12a)."""
+    said = limits.hold_s or 0.0
+    cause = limits.cause or "the provider said wait"
+    cap = USAGE_WINDOW_MAX_HOLD_S if reason == "quota_exhausted" else max_hold_s
+    if said <= cap:
+        return said, cause
+    what = "a day" if reason == "quota_exhausted" else f"max_hold_s, {cap:g} s"
+    return cap, f"{cause}; held {cap:g} s ({what})"
 
 
 def held_error(provider: str, budget: Budget, why: str, retry_after_s: float) -> RelayError:

@@ -385,8 +385,10 @@ class Lane:
             raise
         if not waiter.granted:
             self._forget(waiter)
-            raise self._capacity_error("provider_queue_timeout", waited_s=trio.current_time() - now,
-                                       priority=priority)
+            waited = trio.current_time() - now
+            raise (self._budget_timeout(waiter.need, waited)
+                   or self._capacity_error("provider_queue_timeout", waited_s=waited,
+                                           priority=priority))
         ticket.started_at = waiter.granted_at
         ticket.reservation = waiter.reservation
         ticket.token_wait_s = waiter.token_wait_s
@@ -482,6 +484,29 @@ class Lane:
         return RelayError(reason, message, provider=self.name, retry_after_s=retry,
                           action=self._capacity_action(reason))
 
+
+    def _budget_timeout(self, need: Need | None, waited_s: float) -> RelayError | None:
+        """A queue timeout while a lane was free and a token budget was not (SPEC L12a):
+        it says which budget, what it needs and what is free, and the refill time is its
+        Retry-After. None: the lanes were full, or no budget held it back."""
+        head = self._head()
+        need = head.need if head is not None and head.need is not None else need
+        stats = self.statistics()
+        if need is None or not self.budget.active or stats.running >= stats.capacity:
+            return None
+        why = self.budget.waiting_for(need)
+        if why is None:
+            return None
+        wait = self.budget.wait_s(need)  # (inf: until the first answer after a hold)
+        refill = max(1.0, wait if math.isfinite(wait) else self.estimate()[0])
+        return RelayError(
+            "provider_queue_timeout", f"waited {waited_s:.0f} s for provider {self.name!r}: "
+            f"{why} ({stats.running}/{stats.capacity} lanes running). This request was not "
+            f"started. Retry in about {math.ceil(refill)} s, when the budget has refilled.",
+            provider=self.name, retry_after_s=refill,
+            action=(f"retry after the time in Retry-After; if requests often wait this "
+                    f"long, check the token figures (tpm, itpm, otpm) in "
+                    f"[providers.{self.name}.profile] against the provider's limits"))
 
     def _capacity_action(self, reason: str) -> str:
         """What to do about a capacity failure: wait, or give the lane more room — never

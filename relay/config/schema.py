@@ -39,6 +39,7 @@ class _ProfileTable:
     tpm: float | None = None
     itpm: float | None = None
     otpm: float | None = None
+    max_hold_s: float | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -27,7 +27,14 @@ from typing import Any, Protocol
 import trio
 
 from relay.api.adapter import Adapter
-from relay.capacity.budget import Learned, Need, Reservation, estimate_input, output_reservation
+from relay.capacity.budget import (
+    Learned,
+    Need,
+    Reservation,
+    bounded_hold,
+    estimate_input,
+    output_reservation,
+)
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import Lane, Ticket
 from relay.shared.lane import SharedLane
@@ -37,6 +44,7 @@ from relay.vocab.records import Attempt, Record
 
 from .attempt import Delivered, Run
 from .plan import Plan, Target
+from .providers import Provider
 
 __all__ = ["Attempting", "count_wait", "need_of", "run", "slot", "wait_out"]
 
@@ -98,13 +106,15 @@ async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
         ticket.reservation = Reservation(need, trio.current_time(), kinds=kinds)
         ticket.token_wait_s, ticket.held_by = waited, held_by
         run_.sink.on_limits = functools.partial(_shared_limits_seen, lane, run_.record,
+                                                run_.target.provider,
                                                 lane.tokens.member_here())
         yield ticket
 
 
-def _shared_limits_seen(lane: SharedLane, attempt: Attempt, member: str,
-                        limits: RateLimits) -> None:
+def _shared_limits_seen(lane: SharedLane, attempt: Attempt, provider: Provider,
+                        member: str, limits: RateLimits) -> None:
     """Move the shared budgets to an answer's headers (in the background)."""
+    said_unusable(provider, limits)
     began = trio.current_time() - attempt.started
     lane.tokens.seen_soon(limits, began_s_ago=began, member=member)
 
@@ -122,10 +132,33 @@ async def _shielded(fn: Callable[[], Any], lane: SharedLane) -> None:
                            exc.message)
 
 
-def _limits_seen(lane: Lane, attempt: Attempt, own: Reservation | None,
-                 limits: RateLimits) -> None:
+def _limits_seen(lane: Lane, attempt: Attempt, provider: Provider,
+                 own: Reservation | None, limits: RateLimits) -> None:
     """A 200's rate-limit headers (an attempt begun after a hold began: it has lifted)."""
+    said_unusable(provider, limits)
     lane.observe(limits, started_at=attempt.started, ok=True, own=own)
+
+
+def said_unusable(provider: Provider, limits: RateLimits | None) -> None:
+    """Log a figure the provider sent that relay ignored (not finite, negative or
+    unparseable: SPEC L12a), once per provider and header."""
+    for figure in limits.ignored if limits is not None else ():
+        header = figure.partition(":")[0]
+        if header not in provider.ignored_figures:
+            provider.ignored_figures.add(header)
+            logger.warning("provider %s sent a figure relay cannot use, ignored: %s (not a "
+                           "finite, non-negative number; said once per header)",
+                           provider.name, figure)
+
+
+def bound_error(exc: RelayError, provider: Provider, max_hold_s: float) -> None:
+    """An error answer's figures as relay keeps them: unusable ones logged, and its
+    Retry-After no longer than the hold it sets (SPEC L12a)."""
+    said_unusable(provider, exc.limits)
+    limits = exc.limits
+    if limits is not None and limits.hold_s and exc.retry_after_s is not None:
+        exc.retry_after_s = min(exc.retry_after_s,
+                                bounded_hold(limits, max_hold_s, exc.reason)[0])
 
 
 async def run(adapter: Adapter, lane: LaneLike, ticket: Ticket, run_: Run,
@@ -141,10 +174,11 @@ async def run(adapter: Adapter, lane: LaneLike, ticket: Ticket, run_: Run,
         return
     # (Over the attempt's record, not the run: the sink is the run's, no cycle.)
     run_.sink.on_limits = functools.partial(_limits_seen, lane, run_.record,
-                                            ticket.reservation)
+                                            run_.target.provider, ticket.reservation)
     try:
         await adapter.run(run_.call, run_.sink)
     except RelayError as exc:
+        bound_error(exc, run_.target.provider, lane.profile.max_hold_s)
         # a hold stops the next start
         lane.observe(exc.limits, reason=exc.reason, own=ticket.reservation,
                      started_at=ticket.started_at)
@@ -162,6 +196,7 @@ async def _run_shared(adapter: Adapter, lane: SharedLane, ticket: Ticket, run_: 
         await adapter.run(run_.call, run_.sink)
     except RelayError as exc:
         error = exc
+        bound_error(exc, run_.target.provider, lane.profile.max_hold_s)
         now = trio.current_time()
         began = now - (ticket.started_at if ticket.started_at is not None else now)
         await _shielded(functools.partial(lane.tokens.seen, exc.limits, reason=exc.reason,

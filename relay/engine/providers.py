@@ -131,6 +131,8 @@ class Provider:
     warning: str | None = None
     discovered_at: float = -math.inf
     seen_at: float | None = None  # when real traffic last set the state (H5)
+    # The headers whose unusable figures were logged (SPEC L12a: once per provider).
+    ignored_figures: set[str] = attrs.field(factory=set)
     # Attempts in flight → (request id, route, priority); see `track`.
     _in_flight: weakref.WeakKeyDictionary[InFlight, tuple[str, str | None, str]] = (
         attrs.field(factory=weakref.WeakKeyDictionary))

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import trio
 
-from relay.capacity.budget import Learned, Need, too_large
+from relay.capacity.budget import Learned, Need, bounded_hold, too_large
 from relay.vocab.errors import RelayError
 from relay.vocab.limits import KINDS, RateLimits
 from relay.vocab.profile import Profile
@@ -282,8 +282,10 @@ class SharedBudget:
         for kind, window in (limits.windows.items() if limits is not None else ()):
             triples += [kind, "" if window.limit is None else repr(float(window.limit)),
                         "" if window.remaining is None else repr(float(window.remaining))]
-        hold_ms = int((limits.hold_s or 0) * 1000) if limits is not None else 0
-        await self._call("TOKENS_SEEN", *self._configured(), hold_ms,
-                         limits.cause if limits is not None else "", reason,
+        hold_s, cause = 0.0, ""
+        if limits is not None and limits.hold_s:
+            hold_s, cause = bounded_hold(limits, self._profile().max_hold_s, reason)
+        await self._call("TOKENS_SEEN", *self._configured(), int(hold_s * 1000), cause,
+                         reason,
                          1 if ok else 0, int(began_s_ago * 1000),
                          self._coord.channel_prefix, member, *triples)

@@ -49,10 +49,11 @@ import attrs
 from .limits import RateLimits
 from .redact import head, redact, redact_obj
 
-__all__ = ["DEFAULT_ACTIONS", "MAX_WORDS_BYTES", "REASONS", "ConfigError", "Reason",
-           "RelayError", "bound_text", "cut_marker", "excerpt", "untraced"]
+__all__ = ["DEFAULT_ACTIONS", "MAX_RETRY_AFTER_S", "MAX_WORDS_BYTES", "REASONS", "ConfigError",
+           "Reason", "RelayError", "bound_text", "cut_marker", "excerpt", "untraced"]
 
 MAX_WORDS_BYTES: Final = 64 * 1024  # SPEC E1: the provider's words are whole up to this
+MAX_RETRY_AFTER_S: Final = 86_400.0  # SPEC L12a: no Retry-After says more than a day
 
 
 @attrs.frozen
@@ -228,6 +229,17 @@ class RelayError(Exception):
         self.upstream_status = upstream_status
         self.param = param
         self.limits = limits
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """When a retry may help, in seconds: never non-finite, negative or past a day
+        (SPEC L12a: a provider's ``retry-after: 1e400`` reaches no client)."""
+        return self._retry_after_s
+
+    @retry_after_s.setter
+    def retry_after_s(self, value: float | None) -> None:
+        self._retry_after_s = (None if value is None or math.isnan(value)
+                               else min(max(0.0, value), MAX_RETRY_AFTER_S))
 
     @property
     def phase(self) -> str:

@@ -42,3 +42,6 @@ class RateLimits:
     hold_s: float | None = None
     cause: str = ""
     family: str = ""  # "openai", "anthropic": whose headers these were
+    # Figures that could not be used (non-finite, negative, unparseable), each as
+    # ``header: value``: ignored, and logged once per provider (SPEC L12a).
+    ignored: tuple[str, ...] = ()

@@ -46,7 +46,9 @@ class Profile:
     minute (0 = unpaced). interrupt_grace_s: CLI tools, how long an interrupt may take
     to be confirmed before the process group is killed. tpm, itpm, otpm: token budgets
     per minute (SPEC L12) — tokens in and out together, input, output; 0 = not set (a
-    provider that sends rate-limit headers needs none: relay learns them).
+    provider that sends rate-limit headers needs none: relay learns them). max_hold_s:
+    the longest a provider's 429 may hold every start (SPEC L12a; a usage-window notice
+    that names its reset may hold up to a day).
     """
 
     lanes: int = attrs.field(validator=v.ge(1))
@@ -58,6 +60,7 @@ class Profile:
     tpm: float = attrs.field(default=0.0, validator=not_negative)
     itpm: float = attrs.field(default=0.0, validator=not_negative)
     otpm: float = attrs.field(default=0.0, validator=not_negative)
+    max_hold_s: float = attrs.field(default=900.0, validator=positive)
 
 
 PROFILE_FIELDS = tuple(a.name for a in attrs.fields(Profile))
