@@ -37,7 +37,7 @@ from relay.vocab.profile import is_loopback_host
 from relay.vocab.records import Record
 
 from .asgi import Message, Receive, Scope, Send, header, send_error
-from .paths import dialect_for, match
+from .paths import dialect_for, gemini_method, match
 
 __all__ = ["ACCESS_LOG", "Guard", "dialect_for"]
 
@@ -175,18 +175,19 @@ class Guard:
                 "method"] != "OPTIONS":
             scheme, _, value = (header(scope, b"authorization") or "").partition(" ")
             if scheme.lower() != "bearer":
-                # Anthropic's clients send their key as x-api-key; Google's (under /v1beta,
-                # SPEC A9) as x-goog-api-key or ?key=.
+                # Anthropic's clients send their key as x-api-key; Google's (under /v1beta
+                # and a model's method under /v1, SPEC A9) as x-goog-api-key or ?key=.
                 value = header(scope, b"x-api-key") or ""
-                if not value and scope["path"].startswith("/v1beta/"):
+                path = scope["path"]
+                if not value and (path.startswith("/v1beta/") or gemini_method(path)):
                     value = header(scope, b"x-goog-api-key") or _query_key(scope)
             if not value or not hmac.compare_digest(value.strip().encode(),
                                                     self.token.encode()):
                 return RelayError("unauthorized", "this relay requires a token: send "
                                   "'Authorization: Bearer <token>' or 'x-api-key: <token>' "
-                                  "('x-goog-api-key: <token>' or '?key=<token>' under "
-                                  "/v1beta) (the value of the variable named by [server] "
-                                  "token_env)")
+                                  "('x-goog-api-key: <token>' or '?key=<token>' on "
+                                  "Google's paths) (the value of the variable named by "
+                                  "[server] token_env)")
         if scope["method"] in ("POST", "PUT", "PATCH"):
             length = header(scope, b"content-length")
             ctype = (header(scope, b"content-type") or "").split(";")[0].strip().lower()

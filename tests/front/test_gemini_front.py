@@ -334,6 +334,26 @@ async def test_fake_echo_generate_stream_and_models(nursery: trio.Nursery,
     await wait_for(lambda: lane_idle(served))
 
 
+async def test_googles_v1_methods_take_googles_key_too(
+        nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Google's SDKs default to ``/v1``: a model's method there takes the token as
+    ``x-goog-api-key`` or ``?key=``, as under ``/v1beta`` (issue 33: it was a 401)."""
+    monkeypatch.setenv("RELAY_TEST_TOKEN", "s3cret-token")
+    config = FAKE_ONLY.replace("[server]", '[server]\ntoken_env = "RELAY_TEST_TOKEN"')
+    served = await start_relay(nursery, config, tmp_path)
+    gen = served.url + "/v1/models/fake/echo:generateContent"
+    async with http_client() as c:
+        r = await c.post(gen, json=req(), headers={"x-goog-api-key": "s3cret-token"})
+        assert r.status_code == 200, r.text
+        assert (await c.post(gen + "?key=s3cret-token", json=req())).status_code == 200
+        google(await c.post(gen, json=req(), headers={"x-goog-api-key": "wrong"}), 401,
+               "unauthorized")
+        google(await c.post(gen + "?key=wrong", json=req()), 401, "unauthorized")
+        # Only a Gemini method takes Google's key: OpenAI's paths under /v1 do not.
+        r = await c.get(served.url + "/v1/models", headers={"x-goog-api-key": "s3cret-token"})
+        assert r.status_code == 401, r.text
+
+
 async def test_errors_under_v1beta_are_googles(nursery: trio.Nursery, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RELAY_TEST_TOKEN", "s3cret-token")
