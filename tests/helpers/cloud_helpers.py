@@ -98,16 +98,6 @@ async def raw_post(url: str, path: str, body: dict[str, Any]) -> trio.SocketStre
     return stream
 
 
-async def read_until(stream: trio.SocketStream, marker: bytes) -> bytes:
-    seen = b""
-    with trio.fail_after(5):
-        while marker not in seen:
-            chunk = await stream.receive_some(65536)
-            assert chunk, f"closed before {marker!r}: {seen!r}"
-            seen += chunk
-    return seen
-
-
 async def stop_closes_upstream(server: FakeServer, stream: trio.SocketStream) -> float:
     """Leave (close the client socket) and measure how long until the fake sees the
     upstream connection of the last request closed. Asserts it is under `BOUND_S`."""

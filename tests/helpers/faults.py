@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from helpers.assembled import FAKE_ONLY, chat
+from helpers.daemons import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,16 +81,6 @@ def read_only(path: Path) -> Iterator[None]:
             yield
         finally:
             path.chmod(0o644)
-
-
-def child_env(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["XDG_STATE_HOME"] = str(tmp_path / "state")
-    env["PYTHONPATH"] = str(ROOT)   # this tree's relay, whatever the venv has installed
-    for var in ("RELAY_URL", "RELAY_TOKEN", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY",
-                "http_proxy", "https_proxy", "all_proxy"):
-        env.pop(var, None)
-    return env
 
 
 async def start_serve(tmp_path: Path, conf: Path) -> tuple[trio.Process, str]:

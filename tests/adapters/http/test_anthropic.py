@@ -24,10 +24,10 @@ from helpers.cloud_helpers import (
     one_record,
     posts,
     raw_post,
-    read_until,
     stop_closes_upstream,
     tool_calls_of,
 )
+from helpers.raw_http import read_until
 
 from relay.adapters.http.anthropic import (
     STOP_REASONS,
