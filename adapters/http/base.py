@@ -106,15 +106,17 @@ class HTTPAdapter(Adapter):
     async def post(self, url: str, body: Any, *, stream: bool,
                    read_stream: Callable[[Response], Awaitable[None]],
                    read_whole: Callable[[str], Awaitable[None]],
-                   headers: dict[str, str] | None = None,
-                   events: EventSink | None = None) -> None:
+                   events: EventSink | None,
+                   headers: dict[str, str] | None = None) -> None:
         """POST ``body`` and hand the answer to ``read_stream`` (the open response) or
         ``read_whole`` (its text, at most ``max_upstream_bytes``). Inside ``async with
         client.stream``, so a stop closes the upstream connection; an error status becomes
         its relay error. ``headers`` are sent besides (over) the adapter's own.
 
         The answer's rate-limit headers (SPEC L12) go to ``events`` as a `RateLimits`
-        before anything of the answer, or ride on the error of an error answer."""
+        before anything of the answer, or ride on the error of an error answer. ``events``
+        has no default: a call says where its answer's headers go (the attempt's sink),
+        or ``None`` for an answer read whole outside the token budgets (embeddings)."""
         sent = self.headers
         if headers:
             over = {k.lower() for k in headers}

@@ -322,7 +322,7 @@ class GeminiAdapter(CloudAdapter):
         reader = CandidateReader(self.name)
         url = self._url(call.model, "streamGenerateContent?alt=sse" if call.stream
                         else "generateContent")
-        await self.post(url, body, stream=call.stream,
+        await self.post(url, body, stream=call.stream, events=events,
                         read_stream=lambda resp: self._read_stream(resp, reader, events),
                         read_whole=lambda text: self._emit_whole(text, reader, events))
 

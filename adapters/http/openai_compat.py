@@ -209,6 +209,7 @@ class OpenAIAdapter(HTTPAdapter):
         reader = ResponsesReader(self.name, events,
                                  lambda err: _inband_error(self.name, err))
         await self.post(f"{self.base_url}/responses", body, stream=call.stream,
+                        events=events,
                         read_stream=lambda resp: self.read_sse(
                             resp, reader.event, complete=lambda: reader.final),
                         read_whole=reader.whole)

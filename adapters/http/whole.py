@@ -36,7 +36,9 @@ async def post_json(adapter: HTTPAdapter, url: str, body: Any, what: str) -> dic
     async def no_stream(_: Any) -> None:  # pragma: no cover - stream=False never streams
         raise AssertionError("not streamed")
 
-    await adapter.post(url, body, stream=False, read_stream=no_stream, read_whole=read)
+    # (An answer read whole — embeddings, a token count — goes through no token budget.)
+    await adapter.post(url, body, stream=False, read_stream=no_stream, read_whole=read,
+                       events=None)
     return answer
 
 

@@ -162,7 +162,8 @@ class FakeGemini(FakeServer):
         await ex.send_json(200, {
             "candidates": [{"content": {"parts": parts, "role": "model"},
                             "finishReason": finish, "index": 0}],
-            "usageMetadata": script.usage, "modelVersion": model, "responseId": "resp-1"})
+            "usageMetadata": script.usage, "modelVersion": model, "responseId": "resp-1"},
+            script.headers)
 
     @staticmethod
     def _call_part(call: dict[str, Any]) -> dict[str, Any]:

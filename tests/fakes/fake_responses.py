@@ -49,6 +49,7 @@ class Script:
     cut_after: int | None = None
     incomplete: bool = False
     chunk_delay_s: float = 0.0
+    headers: dict[str, str] = attrs.field(factory=dict)  # sent with a 200 (rate limits)
 
 
 class FakeResponses(FakeServer):
@@ -100,7 +101,7 @@ class FakeResponses(FakeServer):
         if req.get("stream") is True:
             await self._stream(ex, script, response)
         else:
-            await ex.send_json(200, response)
+            await ex.send_json(200, response, script.headers)
 
     def _output(self, req: dict[str, Any], script: Script, rid: str) -> list[dict[str, Any]]:
         reasoning = {"id": f"rs_{rid}", "type": "reasoning", "summary": [
@@ -133,7 +134,7 @@ class FakeResponses(FakeServer):
             seq += 1
             await ex.send_raw(f"event: {kind}\ndata: {data}\n\n".encode())
 
-        await ex.start_sse()
+        await ex.start_sse(script.headers)
         start = {**response, "status": "in_progress", "output": [], "usage": None}
         await event("response.created", response=start)
         await event("response.in_progress", response=start)
