@@ -28,9 +28,9 @@ from helpers.cloud_helpers import (
     one_record,
     posts,
     raw_post,
-    read_until,
     sse_blocks,
 )
+from helpers.raw_http import read_until
 
 from relay.dialects.anthropic_messages import ANTHROPIC, STOP_REASONS, parse_messages_body
 from relay.dialects.base import Answer
