@@ -136,6 +136,36 @@ def _estimate(chars: int) -> int:
     return (chars + 3) // 4  # about four characters a token
 
 
+class _Attempts:
+    """A continued answer's usage is the sum of its attempts' (SPEC L12a: a prefill
+    continuation reported only its own). An attempt that reported none counts relay's
+    estimate of its prompt and of the text it gave, marked estimated."""
+
+    def __init__(self, prompt_chars: int) -> None:
+        self.prompt_chars = prompt_chars
+        self.before: Usage | None = None  # the attempts this one continues
+        self.reported: Usage | None = None  # this attempt's own
+        self.chars = 0  # this attempt's answer text
+
+    def fresh(self) -> None:
+        """An attempt that starts the answer over: what came before is void."""
+        self.before, self.reported, self.chars = None, None, 0
+
+    def continued(self) -> None:
+        """An attempt that continues the text so far: the last one's usage is kept."""
+        last = self.reported or self.estimate()
+        self.before = last if self.before is None else self.before.plus(last)
+        self.reported, self.chars = None, 0
+
+    def estimate(self) -> Usage:
+        prompt, completion = _estimate(self.prompt_chars), _estimate(self.chars)
+        return Usage(prompt, completion, prompt + completion, estimated=True)
+
+    def total(self, usage: Usage) -> Usage:
+        """The whole answer's usage, ``usage`` being the latest attempt's."""
+        return usage if self.before is None else self.before.plus(usage)
+
+
 async def _next_event(events: trio.MemoryReceiveChannel[Any]) -> Any:
     """The next event, or None once the channel is closed (`relay.api.eager`)."""
     try:
@@ -150,9 +180,11 @@ class JSONWriter(_Writer):
     async def pump(self, events: trio.MemoryReceiveChannel[Any]) -> None:
         choices: dict[int, dict[str, Any]] = {}
         usage: Usage | None = None
+        attempts = _Attempts(self.request.prompt_chars)
         while (event := await _next_event(events)) is not None:
             if isinstance(event, Delta):
                 merge_delta(choices.setdefault(event.index, new_choice(event.index)), event)
+                attempts.chars += _chars(event)
             elif isinstance(event, Finish):
                 choices.setdefault(event.index, new_choice(event.index))["finish_reason"] = (
                     event.reason)
@@ -163,17 +195,24 @@ class JSONWriter(_Writer):
                     choices.clear()
                     usage = self.record.usage = None
                     self.record.recovered = False
+                    attempts.fresh()
+                else:
+                    attempts.continued()
             elif isinstance(event, Ended):
                 if event.error is not None:
                     await self.send_error(event.error)
                     return
+                if attempts.before is not None and attempts.reported is None:
+                    usage = attempts.total(attempts.estimate())  # the last said nothing
+                    self._note(usage)
                 answer = Answer(id=self.record.id, created=self.created, model=self.model,
                                 choices=choices, usage=usage)
                 await self.request.send_json(200, self.dialect.render(answer))
                 return
             else:
                 if isinstance(event, Usage):
-                    usage = event
+                    attempts.reported = event
+                    usage = event = attempts.total(event)
                 self._note(event)
         raise RuntimeError("the attempt ended without saying how")
 
@@ -193,7 +232,7 @@ class StreamWriter(_Writer):
         self.encoder.begin(model)
         self._keepalive = self._comment("keepalive")
         self.usage_seen = False
-        self.answer_chars = 0  # of this attempt's answer, for a usage estimate
+        self.attempts = _Attempts(request.prompt_chars)  # for the usage (and its estimate)
 
     async def _write(self, data: bytes, *, more: bool = True) -> None:
         await self.request.write(data, more=more)  # headers first; bounded (SPEC C3)
@@ -253,10 +292,12 @@ class StreamWriter(_Writer):
             for event in batch:
                 if isinstance(event, Delta):
                     out += encoder.delta(event)
-                    self.answer_chars += _chars(event)
+                    self.attempts.chars += _chars(event)
                 elif isinstance(event, Finish):
                     out += encoder.finish(event)
                 elif isinstance(event, Usage):
+                    self.attempts.reported = event
+                    event = self.attempts.total(event)
                     encoder.set_usage(event)
                     self.usage_seen = True
                     self._note(event)
@@ -267,7 +308,11 @@ class StreamWriter(_Writer):
                         encoder.begin(event.model)
                         self.record.usage = None
                         self.record.recovered = False
-                        self.usage_seen, self.answer_chars = False, 0
+                        self.usage_seen = False
+                        self.attempts.fresh()
+                    else:  # this attempt's usage is to come (else relay's estimate)
+                        self.attempts.continued()
+                        self.usage_seen = False
                 elif isinstance(event, Queued):
                     self.queued_on = event.statistics
                     self.queued_at = trio.current_time()
@@ -292,9 +337,7 @@ class StreamWriter(_Writer):
                 return
             if self.request.include_usage and not self.usage_seen:
                 # Asked for usage, and the provider reported none: relay's estimate.
-                prompt = _estimate(self.request.prompt_chars)
-                completion = _estimate(self.answer_chars)
-                usage = Usage(prompt, completion, prompt + completion, estimated=True)
+                usage = self.attempts.total(self.attempts.estimate())
                 encoder.set_usage(usage)
                 self._note(usage)
             out += encoder.done()

@@ -101,6 +101,16 @@ class Usage:
     total_tokens: int | None = None
     estimated: bool = False
 
+    def plus(self, other: Usage) -> Usage:
+        """Both counts together (a continued answer's attempts, SPEC L12a); a count
+        neither side knows stays unknown, and an estimate in either makes an estimate."""
+        def add(a: int | None, b: int | None) -> int | None:
+            return None if a is None and b is None else (a or 0) + (b or 0)
+        return Usage(add(self.prompt_tokens, other.prompt_tokens),
+                     add(self.completion_tokens, other.completion_tokens),
+                     add(self.total_tokens, other.total_tokens),
+                     estimated=self.estimated or other.estimated)
+
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"prompt_tokens": self.prompt_tokens,
                                "completion_tokens": self.completion_tokens,

@@ -234,6 +234,35 @@ async def test_a_cut_stream_continues_on_a_prefill_fallback(
         assert len(finishes) == 1
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_continued_answers_usage_is_the_sum_of_its_attempts(
+        make: Any, autojump_clock: trio.abc.Clock, stream: bool) -> None:
+    """SPEC L12a: the cut attempt's part counts too (it reported no usage: relay's
+    estimate, marked so), not only the continuation's own usage."""
+    extra = route("r", "fake/echo?reply=one two three four&cut_after=2",
+                  ["other/echo?reply=one two three four"])
+    body = chat("r", stream=stream, **({"stream_options": {"include_usage": True}}
+                                       if stream else {}))
+    async with make(extra) as r:
+        res = await call(r, body)
+        if stream:
+            (usage,) = [e["usage"] for e in sse_events(res.text())[:-1] if e.get("usage")]
+        else:
+            usage = res.json()["usage"]
+        record = r.records.recent[-1]
+    assert record["usage"] == usage
+    if stream:
+        # "one two" came from the cut attempt (no usage: 7 characters, 2 tokens by
+        # relay's estimate), " three four" from the continuation (2 reported): 4 in all,
+        # where the continuation's own 2 were reported before.
+        assert usage["completion_tokens"] == 4 and usage["estimated"] is True, usage
+        assert usage["total_tokens"] == usage["prompt_tokens"] + 4
+    else:
+        # Nothing was sent when the first attempt broke: the fallback answered anew, and
+        # its usage is the answer's.
+        assert usage == {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5}
+
+
 async def test_a_cut_stream_without_a_prefill_fallback_ends_in_band(
         make: Any, autojump_clock: trio.abc.Clock, tmp_path: Path) -> None:
     text = FAKE.replace('[providers.other]\nadapter = "fake"',
