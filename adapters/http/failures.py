@@ -214,8 +214,7 @@ def upstream_failure(
                 windows=taught, ignored=limits.ignored if limits is not None else ())
         if retry is not None or ignored:  # it said when: every start waits (L12)
             base = limits or RateLimits()
-            common["limits"] = attrs.evolve(base, hold_s=retry,
-                                            cause=cause if retry is not None else "",
+            common["limits"] = attrs.evolve(base, hold_s=retry, cause=cause,
                                             ignored=base.ignored + tuple(ignored))
         return RelayError("rate_limited", f"{said_it}. The provider is rate limiting; retry "
                           "after the time it gave.",

@@ -304,15 +304,14 @@ class StreamWriter(_Writer):
                 elif isinstance(event, AttemptStarted):
                     self.model = event.model
                     out += self._ignored(event)
+                    self.usage_seen = False  # this attempt's is to come (else an estimate)
                     if not event.continues:
                         encoder.begin(event.model)
                         self.record.usage = None
                         self.record.recovered = False
-                        self.usage_seen = False
                         self.attempts.fresh()
-                    else:  # this attempt's usage is to come (else relay's estimate)
+                    else:
                         self.attempts.continued()
-                        self.usage_seen = False
                 elif isinstance(event, Queued):
                     self.queued_on = event.statistics
                     self.queued_at = trio.current_time()
