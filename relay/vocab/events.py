@@ -94,12 +94,19 @@ class Finish:
 @attrs.frozen(slots=True)
 class Usage:
     """Token counts. ``estimated``: relay's own estimate, for a provider that reported none
-    (SPEC A1a: ``stream_options.include_usage`` is honoured for every provider)."""
+    (SPEC A1a: ``stream_options.include_usage`` is honoured for every provider).
+
+    ``prompt_tokens`` is every prompt token, as OpenAI counts it: cache reads and cache
+    writes included. ``cache_read_tokens`` (read from the provider's prompt cache) and
+    ``cache_write_tokens`` (written to it: Anthropic's ``cache_creation_input_tokens``)
+    say how much of it was which (None: the provider did not say; SPEC L12a)."""
 
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     total_tokens: int | None = None
     estimated: bool = False
+    cache_read_tokens: int | None = None
+    cache_write_tokens: int | None = None
 
     def plus(self, other: Usage) -> Usage:
         """Both counts together (a continued answer's attempts, SPEC L12a); a count
@@ -109,7 +116,10 @@ class Usage:
         return Usage(add(self.prompt_tokens, other.prompt_tokens),
                      add(self.completion_tokens, other.completion_tokens),
                      add(self.total_tokens, other.total_tokens),
-                     estimated=self.estimated or other.estimated)
+                     estimated=self.estimated or other.estimated,
+                     cache_read_tokens=add(self.cache_read_tokens, other.cache_read_tokens),
+                     cache_write_tokens=add(self.cache_write_tokens,
+                                            other.cache_write_tokens))
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"prompt_tokens": self.prompt_tokens,
@@ -117,6 +127,10 @@ class Usage:
                                "total_tokens": self.total_tokens}
         if self.estimated:
             out["estimated"] = True
+        if self.cache_read_tokens is not None:
+            out["cache_read_tokens"] = self.cache_read_tokens
+        if self.cache_write_tokens is not None:
+            out["cache_write_tokens"] = self.cache_write_tokens
         return out
 
 
