@@ -267,9 +267,10 @@ class AnthropicAdapter(CloudAdapter):
 
     @classmethod
     def recommended_profile(cls, settings: Any) -> Profile:
-        # A cloud: many requests at once, metered (rpm 50 is the first usage tier's).
+        # A cloud: many requests at once, metered (rpm 50 is the first usage tier's); 2
+        # at once until a model's first answer has told its limits (SPEC L12a).
         return Profile(lanes=8, queue_max=64, queue_timeout_s=60.0, run_timeout_s=600.0,
-                       rpm=50.0)
+                       rpm=50.0, first_starts=2)
 
     @classmethod
     def max_call_s(cls, settings: Any) -> float:

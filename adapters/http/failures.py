@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import email.utils
 import json
+import re
 import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -123,6 +124,9 @@ def _error_fields(text: str) -> _Said:
             for violation in detail.get("violations") or ():
                 if isinstance(violation, dict):
                     windows += [str(violation.get(k, "")) for k in ("quotaId", "quotaMetric")]
+                    dimensions = violation.get("quotaDimensions")
+                    if isinstance(dimensions, dict) and dimensions.get("model"):
+                        windows.append("model")  # a model's own quota (SPEC L12a)
         elif kind.endswith("ErrorInfo") and isinstance(detail.get("reason"), str):
             reasons.append(detail["reason"])
     return _Said(message, word("code") or word("status"), word("type"), retry_s,
@@ -175,6 +179,20 @@ def _said_when(headers: Mapping[str, str], text: str, said: _Said,
     return None, ""
 
 
+# OpenAI's 429 names the model it met: "Rate limit reached for gpt-4o in organization …".
+_FOR_MODEL = re.compile(r"rate limit reached for \S+ in ", re.IGNORECASE)
+
+
+def _names_model(limits: RateLimits, text: str, said: _Said) -> bool:
+    """A 429 that met one model's limit (SPEC L12a): its body names the model, its quota
+    is a model's (Gemini's ``quotaDimensions.model``, a ``…PerModel…`` quota id), or it
+    carries rate-limit headers, which describe the answering model's own window. Its hold
+    is the model's; a 429 that names none holds the account."""
+    if limits.windows or _FOR_MODEL.search(text):
+        return True
+    return any(w == "model" or "permodel" in w.lower() for w in said.windows)
+
+
 def upstream_failure(
     provider: str, status: int, text: str, headers: Mapping[str, str], *,
     key_hint: str | None = None, in_stream: bool = False,
@@ -215,7 +233,8 @@ def upstream_failure(
         if retry is not None or ignored:  # it said when: every start waits (L12)
             base = limits or RateLimits()
             common["limits"] = attrs.evolve(base, hold_s=retry, cause=cause,
-                                            ignored=base.ignored + tuple(ignored))
+                                            ignored=base.ignored + tuple(ignored),
+                                            names_model=_names_model(base, text, said))
         return RelayError("rate_limited", f"{said_it}. The provider is rate limiting; retry "
                           "after the time it gave.",
                           retry_after_s=retry if retry is not None else 1.0,

@@ -220,7 +220,7 @@ class GeminiAdapter(CloudAdapter):
     def recommended_profile(cls, settings: Any) -> Profile:
         # rpm 10 fits the free tier's per-model limits; a paid key should raise it.
         return Profile(lanes=8, queue_max=64, queue_timeout_s=60.0, run_timeout_s=600.0,
-                       rpm=10.0)
+                       rpm=10.0, first_starts=2)  # (2 until a model's first answer, L12a)
 
     @classmethod
     def max_call_s(cls, settings: Any) -> float:

@@ -57,9 +57,18 @@ def _budgets_line(p: Any) -> str:
         else:
             said.append(f"{key} not set (learned from the provider's rate-limit headers, "
                         "if it sends them)")
-    return "; ".join(said) + (". Where a configured figure and a header disagree, the "
-                              "lower limit wins; the provider's 'remaining' always moves "
-                              "the budget")
+    for model, figures in sorted(p.limits.items()):
+        own = [f"{key} {getattr(figures, key):g}" for key in ("rpm", "tpm", "itpm", "otpm")
+               if getattr(figures, key)]
+        said.append(f"model {model!r}: {', '.join(own) or 'nothing set'} per minute "
+                    f'(from [providers.{p.name}.limits."{model}"])')
+    if p.profile.first_starts:
+        said.append(f"{p.profile.first_starts} at once of a model until its first answer")
+    return "; ".join(said) + (". The provider's figures and holds are per model (SPEC "
+                              "L12a); the ones above for the whole provider apply as well. "
+                              "Where a configured figure and a header disagree, the lower "
+                              "limit wins; the provider's 'remaining' always moves the "
+                              "budget")
 
 
 def describe_records(r: dict[str, Any]) -> str:

@@ -104,10 +104,16 @@ _WHAT = {"requests": "request starts", "tokens": "tokens", "input": "input token
 
 @attrs.frozen(slots=True)
 class Need:
-    """What one request will take: its estimated input and its output reservation."""
+    """What one request will take: its estimated input and its output reservation, of
+    the budgets of its model's ``scope`` (`relay.capacity.meter`)."""
 
     input: int
     output: int
+    scope: str = ""
+    # False: relay cannot tell how much of the input the provider will count (a prompt it
+    # may read from its cache): never refused as too large, it is sent (SPEC L12a).
+    sure: bool = True
+    estimate: int = 0  # relay's own estimate of the whole prompt (for the learning)
 
     def cost(self, kind: str) -> int:
         if kind == "requests":
@@ -170,8 +176,12 @@ class Hold:
 class Budget:
     """One provider's token and request budgets (see the module docstring)."""
 
-    def __init__(self, profile: Profile, clock: Callable[[], float]) -> None:
+    def __init__(self, profile: Profile, clock: Callable[[], float], *,
+                 requests: bool = False) -> None:
         self._clock = clock
+        # A model's budget (`relay.capacity.meter`) keeps a configured rpm as a request
+        # budget; the account's rpm is the lane's pacer.
+        self._keys = {"requests": "rpm", **_PROFILE_KEYS} if requests else _PROFILE_KEYS
         self._buckets: dict[str, _Bucket] = {}
         self._inflight: set[Reservation] = set()  # reservations not yet settled
         self._tightened_at = -math.inf  # when a header last lowered a level
@@ -189,7 +199,7 @@ class Budget:
     # --- configuration ------------------------------------------------------------------
     def update_profile(self, profile: Profile) -> None:
         self.max_hold_s = profile.max_hold_s
-        for kind, key in _PROFILE_KEYS.items():
+        for kind, key in self._keys.items():
             figure = float(getattr(profile, key))
             bucket = self._buckets.get(kind)
             if bucket is None and figure:
@@ -199,6 +209,11 @@ class Budget:
                 if not bucket.limit:
                     del self._buckets[kind]
         self.on_change()
+
+    @property
+    def busy(self) -> bool:
+        """A reservation in flight."""
+        return bool(self._inflight)
 
     @property
     def active(self) -> bool:

@@ -54,7 +54,7 @@ import contextlib
 import heapq
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 
 import attrs
@@ -63,9 +63,10 @@ import trio
 from relay.vocab.errors import RelayError
 from relay.vocab.events import LaneStatistics
 from relay.vocab.limits import RateLimits
-from relay.vocab.profile import Profile
+from relay.vocab.profile import ModelLimits, Profile
 
-from .budget import Budget, Need, Reservation, held_error, too_large_error
+from .budget import Need, Reservation, held_error, too_large
+from .meter import Meter
 from .pacer import Pacer
 
 __all__ = ["PRIORITIES", "Lane", "LaneStatistics", "Ticket"]
@@ -117,7 +118,8 @@ class Lane:
 
     shared = False  # `relay.capacity.lane_api.LaneLike`: counted in this process alone
 
-    def __init__(self, name: str, profile: Profile, *, expected_run_s: float = 10.0) -> None:
+    def __init__(self, name: str, profile: Profile, *, expected_run_s: float = 10.0,
+                 limits: Mapping[str, ModelLimits] | None = None) -> None:
         self.name = name
         self._profile = profile
         self._borrowed = 0
@@ -134,9 +136,10 @@ class Lane:
         self._held_since: list[float] = []
         self._idle = trio.Event()
         self._idle.set()
-        # SPEC L12: the provider's token budgets and holds; a change (a settlement, a
-        # header, a hold) may let the head start sooner, or must make it wait longer.
-        self.budget = Budget(profile, trio.current_time)
+        # SPEC L12, L12a: the provider's token budgets and holds, the account's and each
+        # model's; a change (a settlement, a header, a hold) may let the head start
+        # sooner, or must make it wait longer.
+        self.budget = Meter(profile, trio.current_time, limits)
         self.budget.on_change = self._budget_changed
 
     def _budget_changed(self) -> None:
@@ -146,11 +149,12 @@ class Lane:
                 if not waiter.cancelled and not waiter.granted:
                     waiter.event.set()
 
-    def observe(self, limits: RateLimits | None, *, started_at: float | None = None,
-                ok: bool = False, reason: str = "rate_limited",
-                own: Reservation | None = None) -> None:
-        """What an answer said of the provider's limits (SPEC L12)."""
-        self.budget.observe(limits, started_at=started_at, ok=ok, reason=reason, own=own)
+    def observe(self, limits: RateLimits | None, *, scope: str = "",
+                started_at: float | None = None, ok: bool = False,
+                reason: str = "rate_limited", own: Reservation | None = None) -> None:
+        """What an answer for model ``scope`` said of the provider's limits (SPEC L12a)."""
+        self.budget.observe(limits, scope=scope, started_at=started_at, ok=ok,
+                            reason=reason, own=own)
 
     def settle(self, ticket: Ticket, used_in: int, used_out: int) -> None:
         """Move the ticket's reservation to what the answer used (SPEC L12)."""
@@ -165,11 +169,12 @@ class Lane:
         """The pacer's earliest next start (-inf when unpaced)."""
         return self._pacer.next_start(self._profile.rpm)
 
-    def update_profile(self, profile: Profile) -> None:
-        """Apply a reloaded profile in place: never revokes a running slot. A new rpm
-        applies at once, to the starts of the last minute."""
+    def update_profile(self, profile: Profile,
+                       limits: Mapping[str, ModelLimits] | None = None) -> None:
+        """Apply a reloaded profile (and models' limits) in place: never revokes a running
+        slot. A new rpm applies at once, to the starts of the last minute."""
         self._profile = profile
-        self.budget.update_profile(profile)
+        self.budget.update_profile(profile, limits)
         self._hand_off()
 
     async def wait_idle(self) -> None:
@@ -292,35 +297,41 @@ class Lane:
             heapq.heappop(self._heap)
         return self._heap[0] if self._heap else None
 
-    def _held_error(self, priority: str, why: str) -> RelayError:
-        return held_error(self.name, self.budget, why,
-                          max(1.0, self.estimate(priority)[0], self.budget.hold_left()))
+    def _held_error(self, priority: str, why: str, scope: str) -> RelayError:
+        return held_error(self.name, self.budget.holder(scope), why,
+                          max(1.0, self.estimate(priority)[0],
+                              self.budget.hold_left(scope=scope)))
 
     def _refuse_early(self, need: Need | None, leave_if_held: bool, probe: bool,
                       priority: str, now: float) -> None:
         """Before queueing (SPEC L12): a need larger than a whole budget never starts;
         a hold goes on past the queue timeout, or the request has a fallback to go to."""
-        if need is not None and (refused := too_large_error(self.name, self.budget, need)):
-            raise refused
-        held = 0.0 if probe else self.budget.hold_left(now)
+        if need is not None and (found := self.budget.too_large(need)):
+            raise too_large(self.name, need, *found)
+        scope = need.scope if need is not None else ""
+        held = 0.0 if probe else self.budget.hold_left(now, scope)
         if held > 0 and (leave_if_held or held > self._profile.queue_timeout_s):
             raise self._held_error(priority, "it has a fallback to go to" if leave_if_held
                                    else "longer than this request may wait "
-                                   f"(queue_timeout_s {self._profile.queue_timeout_s:g})")
+                                   f"(queue_timeout_s {self._profile.queue_timeout_s:g})",
+                                   scope)
 
     def _still_held(self, waiter: _Waiter, leave_if_held: bool, deadline: float,
                     priority: str) -> None:
         """A waiter woken while the provider holds every start: noted, and it leaves
         when it has a fallback or the hold outlasts its queue timeout."""
         current = trio.current_time()
-        held = 0.0 if waiter.probe or waiter.granted else self.budget.hold_left(current)
+        scope = waiter.need.scope if waiter.need is not None else ""
+        held = (0.0 if waiter.probe or waiter.granted
+                else self.budget.hold_left(current, scope))
         if held <= 0:
             return
-        if waiter.held_by is None and self.budget.hold_state is not None:
-            waiter.held_by = self.budget.hold_state.cause
+        hold = self.budget.holder(scope).hold_state
+        if waiter.held_by is None and hold is not None:
+            waiter.held_by = hold.cause
         if leave_if_held or current + held > deadline:
             raise self._held_error(priority, "it has a fallback to go to" if leave_if_held
-                                   else "past this request's queue timeout")
+                                   else "past this request's queue timeout", scope)
 
     async def _acquire(self, priority: str, on_queued: Callable[[], None] | None,
                        need: Need | None = None, leave_if_held: bool = False,

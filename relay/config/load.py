@@ -26,6 +26,7 @@ from relay.vocab.errors import ConfigError
 from relay.vocab.profile import (
     MAX_UPSTREAM_BYTES,
     REQUIRED_PROFILE_FIELDS,
+    ModelLimits,
     Profile,
     ProviderConfig,
     default_state_dir,
@@ -209,15 +210,31 @@ def _load_provider(
                                 f"{where}.profile", problems)
     if settings is None or overrides is None or len(problems) > before:
         return None
+    limits = _model_limits(where, common.get("limits", {}), problems)
     profile = _profile(where, name, kind, adapter, settings, overrides, problems, warnings)
-    if profile is None:
+    if profile is None or limits is None:
         return None
     return ProviderConfig(
-        name=name, adapter=kind, profile=profile, settings=settings, **values,
+        name=name, adapter=kind, profile=profile, settings=settings, **values, limits=limits,
         secret_envs=tuple(adapter.secret_envs(settings)),
         secret_values=tuple(adapter.secret_values(settings)),
         profile_from_file=frozenset(k for k, val in attrs.asdict(overrides).items()
                                     if val is not None))
+
+
+def _model_limits(where: str, table: Any, problems: list[str]
+                  ) -> dict[str, ModelLimits] | None:
+    """``[providers.NAME.limits."MODEL"]``: each model's own budgets (SPEC L12a)."""
+    if not isinstance(table, dict):
+        problems.append(f"[{where}.limits]: must be a table of models, each a table "
+                        "(rpm, tpm, itpm, otpm)")
+        return None
+    limits: dict[str, ModelLimits] = {}
+    for model, figures in table.items():
+        found = structure_table(figures, ModelLimits, f'{where}.limits."{model}"', problems)
+        if found is not None:
+            limits[model] = found
+    return limits if len(limits) == len(table) else None
 
 
 def _unknown_kind(where: str, kind: Any, table: dict[str, Any],

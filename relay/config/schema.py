@@ -40,6 +40,7 @@ class _ProfileTable:
     itpm: float | None = None
     otpm: float | None = None
     max_hold_s: float | None = None
+    first_starts: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -71,7 +72,7 @@ class ServerConfig:
 
 
 COMMON_PROVIDER_KEYS = ("adapter", "models", "prefill", "check_interval_s", "check_model",
-                        "profile", "strict_fields", "shared")
+                        "profile", "strict_fields", "shared", "limits")
 
 
 def _optional_positive(inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:

@@ -95,7 +95,8 @@ class Engine:
                 logger.warning("provider %s: shared = true takes effect at the next "
                                "restart (relay started without a coordination server)",
                                config.name)
-            lane = Lane(config.name, config.profile, expected_run_s=expected)
+            lane = Lane(config.name, config.profile, expected_run_s=expected,
+                        limits=config.limits)
         return Provider(config=config, handle=handle, lane=lane, models=list(config.models))
 
     async def _open_adapter(self, config: ProviderConfig) -> AdapterHandle:
@@ -230,6 +231,9 @@ class Engine:
                                f"{b.queue_timeout_s:g}, run_timeout_s {a.run_timeout_s:g}→"
                                f"{b.run_timeout_s:g}, rpm {a.rpm:g}→{b.rpm:g})")
                 current.lane.update_profile(pconf.profile)
+            if old.limits != pconf.limits and isinstance(current.lane, Lane):
+                changes.append(f"provider {name}: models' limits changed")
+                current.lane.update_profile(pconf.profile, pconf.limits)
             if pconf.shared != old.shared:
                 changes.append(f"provider {name}: shared takes effect at the next restart")
             if pconf.models_configured:

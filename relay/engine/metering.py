@@ -19,6 +19,8 @@ A shared lane (SPEC L11) has no budgets here: its slot is taken as it always was
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -37,8 +39,10 @@ from relay.capacity.budget import (
 )
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import Lane, Ticket
+from relay.capacity.meter import scope_of
 from relay.shared.lane import SharedLane
 from relay.vocab.errors import RelayError
+from relay.vocab.events import Call
 from relay.vocab.limits import RateLimits
 from relay.vocab.records import Attempt, Record
 
@@ -66,12 +70,69 @@ class Attempting(Protocol):
 
 
 def need_of(run_: Run, learned_from: Learned) -> Need:
-    """What the attempt takes from the provider's token budgets."""
+    """What the attempt takes from its model's and its account's token budgets (SPEC
+    L12a): relay's estimate of the input the provider counts — for a provider that does
+    not count cache reads, the part of a conversation it is expected to read from its
+    cache is left out, and a prompt that may be read from it is never refused as too
+    large — plus the output reservation."""
     call = run_.call
-    provider_max = getattr(run_.target.provider.config.settings, "max_tokens", None)
+    provider = run_.target.provider
+    provider_max = getattr(provider.config.settings, "max_tokens", None)
     learned = learned_from.output(call.model)
-    return Need(estimate_input(call), output_reservation(
-        call, learned, provider_max if isinstance(provider_max, int) else None))
+    estimate = estimate_input(call)
+    needed, sure = estimate, True
+    if skips_cache_reads(provider):
+        uncached = provider.conversations.uncached(conversation_of(call), estimate)
+        if uncached is not None:
+            needed = uncached
+        elif marks_cache(call):
+            sure = False
+    return Need(needed, output_reservation(
+        call, learned, provider_max if isinstance(provider_max, int) else None),
+        scope=scope_of(call.model), sure=sure, estimate=estimate)
+
+
+def skips_cache_reads(provider: Provider) -> bool:
+    """The provider's input budget counts no cache reads (Anthropic's: ``input_tokens``
+    and ``cache_creation_input_tokens``, not ``cache_read_input_tokens``; SPEC L12a).
+    OpenAI and Gemini count every prompt token."""
+    return provider.config.adapter == "anthropic"
+
+
+def conversation_of(call: Call) -> str:
+    """The conversation a call continues: the client's own cache key where it sends one,
+    else a digest of its system prompt and first message (SPEC L12a, L13)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(scope_of(call.model).encode())
+    key = call.params.get("prompt_cache_key")
+    if isinstance(key, str) and key:
+        digest.update(b"\0key\0" + key.encode())
+        return digest.hexdigest()
+    firsts: dict[str, Any] = {}
+    for message in call.messages:
+        role = "system" if message.get("role") in ("system", "developer") else "first"
+        firsts.setdefault(role, message.get("content"))
+        if len(firsts) == 2:
+            break
+    digest.update(json.dumps(firsts, sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+def marks_cache(call: Call) -> bool:
+    """The request marks a prefix for the provider's prompt cache (``cache_control``)."""
+    body = call.inbound.body
+    parts: list[Any] = [body.get("system"), body.get("messages")] if body else []
+    parts.append(call.messages)
+    stack = parts
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if "cache_control" in item:
+                return True
+            stack.extend(v for v in item.values() if isinstance(v, list | dict))
+        elif isinstance(item, list):
+            stack.extend(v for v in item if isinstance(v, list | dict))
+    return False
 
 
 def slot(dispatcher: Attempting, run_: Run, on_queued: Callable[[], None]
@@ -132,11 +193,14 @@ async def _shielded(fn: Callable[[], Any], lane: SharedLane) -> None:
                            exc.message)
 
 
-def _limits_seen(lane: Lane, attempt: Attempt, provider: Provider,
+def _limits_seen(lane: Lane, attempt: Attempt, provider: Provider, scope: str,
                  own: Reservation | None, limits: RateLimits) -> None:
-    """A 200's rate-limit headers (an attempt begun after a hold began: it has lifted)."""
+    """A 200's rate-limit headers for model ``scope`` (an attempt begun after a hold
+    began: it has lifted), read against the moment it started upstream (SPEC L12a)."""
     said_unusable(provider, limits)
-    lane.observe(limits, started_at=attempt.started, ok=True, own=own)
+    lane.observe(limits, scope=scope,
+                 started_at=own.at if own is not None else attempt.started, ok=True,
+                 own=own)
 
 
 def said_unusable(provider: Provider, limits: RateLimits | None) -> None:
@@ -173,15 +237,18 @@ async def run(adapter: Adapter, lane: LaneLike, ticket: Ticket, run_: Run,
         await adapter.run(run_.call, run_.sink)
         return
     # (Over the attempt's record, not the run: the sink is the run's, no cycle.)
+    scope = scope_of(run_.call.model)
     run_.sink.on_limits = functools.partial(_limits_seen, lane, run_.record,
-                                            run_.target.provider, ticket.reservation)
+                                            run_.target.provider, scope,
+                                            ticket.reservation)
     try:
         await adapter.run(run_.call, run_.sink)
     except RelayError as exc:
         bound_error(exc, run_.target.provider, lane.profile.max_hold_s)
         # a hold stops the next start
-        lane.observe(exc.limits, reason=exc.reason, own=ticket.reservation,
-                     started_at=ticket.started_at)
+        own = ticket.reservation
+        lane.observe(exc.limits, reason=exc.reason, own=own, scope=scope,
+                     started_at=own.at if own is not None else ticket.started_at)
         settle(lane, ticket, run_, record, exc)
         raise
     finally:
@@ -210,7 +277,7 @@ async def _run_shared(adapter: Adapter, lane: SharedLane, ticket: Ticket, run_: 
             reservation.settled = True
             usage = run_.sink.usage
             reported = usage is not None and usage.prompt_tokens is not None
-            learn(lane.tokens.learned, run_, error)
+            learn(lane.tokens.learned, run_, error, reservation.need)
             note(record, reservation, used_in, used_out,
                  not reported and not (error is not None and used_in == used_out == 0))
             await _shielded(functools.partial(lane.tokens.settle, reservation.need,
@@ -223,7 +290,10 @@ def used_of(run_: Run, reservation: Reservation, error: RelayError | None
     was sent and read, estimated."""
     usage = run_.sink.usage
     if usage is not None and usage.prompt_tokens is not None:
-        return usage.prompt_tokens, usage.completion_tokens or 0
+        counted = usage.prompt_tokens
+        if skips_cache_reads(run_.target.provider):
+            counted = max(0, counted - (usage.cache_read_tokens or 0))
+        return counted, usage.completion_tokens or 0
     if error is not None and (error.upstream_status is not None
                               or error.reason == "upstream_unavailable"):
         return 0, 0
@@ -249,17 +319,24 @@ def settle(lane: Lane, ticket: Ticket, run_: Run, record: Record,
     usage = run_.sink.usage
     used_in, used_out = used_of(run_, reservation, error)
     reported = usage is not None and usage.prompt_tokens is not None
-    learn(lane.budget.learned, run_, error)
+    learn(lane.budget.learned, run_, error, reservation.need)
     estimated = not reported and not (error is not None and used_in == used_out == 0)
     lane.settle(ticket, used_in, used_out)
     note(record, reservation, used_in, used_out, estimated)
 
 
-def learn(learned: Learned, run_: Run, error: RelayError | None) -> None:
-    """A whole answer's reported length, for the next output reservations."""
+def learn(learned: Learned, run_: Run, error: RelayError | None,
+          need: Need | None = None) -> None:
+    """A whole answer's reported length, for the next output reservations; and what it
+    said of the provider's prompt cache, for the conversation's next turn."""
     usage = run_.sink.usage
-    if (error is None and usage is not None and usage.prompt_tokens is not None
-            and usage.completion_tokens is not None and run_.sink.complete):
+    if error is not None or usage is None or usage.prompt_tokens is None:
+        return
+    if need is not None and skips_cache_reads(run_.target.provider):
+        run_.target.provider.conversations.saw(
+            conversation_of(run_.call), need.estimate, usage.prompt_tokens,
+            (usage.cache_read_tokens or 0) + (usage.cache_write_tokens or 0))
+    if usage.completion_tokens is not None and run_.sink.complete:
         learned.learn(run_.call.model, usage.completion_tokens)
 
 

@@ -41,6 +41,7 @@ import trio
 from relay.api.adapter import Adapter
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import PRIORITIES
+from relay.capacity.meter import Conversations
 from relay.vocab import redact
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import ProviderConfig
@@ -133,6 +134,9 @@ class Provider:
     seen_at: float | None = None  # when real traffic last set the state (H5)
     # The headers whose unusable figures were logged (SPEC L12a: once per provider).
     ignored_figures: set[str] = attrs.field(factory=set)
+    # SPEC L12a: each conversation's prompt cache as its last answer said.
+    conversations: Conversations = attrs.field(
+        factory=lambda: Conversations(trio.current_time))
     # Attempts in flight → (request id, route, priority); see `track`.
     _in_flight: weakref.WeakKeyDictionary[InFlight, tuple[str, str | None, str]] = (
         attrs.field(factory=weakref.WeakKeyDictionary))

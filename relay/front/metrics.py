@@ -163,22 +163,29 @@ def _budget_families(relay: Engine) -> Iterator[Metric]:
     from prometheus_client.core import GaugeMetricFamily
     limit = GaugeMetricFamily("relay_token_budget_limit", "A provider's budget per "
                               "minute (budget: requests, tokens, input, output; source: "
-                              "configured or header)", labels=["provider", "budget", "source"])
+                              "configured or header; model: the model's own budget, \"\" the "
+                              "account's)", labels=["provider", "model", "budget", "source"])
     remaining = GaugeMetricFamily("relay_token_budget_remaining", "What relay counts as "
-                                  "left of the budget now", labels=["provider", "budget"])
+                                  "left of the budget now",
+                                  labels=["provider", "model", "budget"])
     used = GaugeMetricFamily("relay_tokens_last_minute", "Tokens used at the provider in "
                              "the last minute", labels=["provider"])
     hold = GaugeMetricFamily("relay_provider_hold_seconds", "Seconds left of the "
-                             "provider's hold on every start (0: none)", labels=["provider"])
+                             "provider's hold on every start of the model (\"\": of every "
+                             "model; 0: none)", labels=["provider", "model"])
     for name, provider in relay.providers.items():
         status = provider.budgets()
         if status is None:
             continue
-        for kind, figures in status["budgets"].items():
-            limit.add_metric([name, kind, figures["source"]], figures["limit_per_minute"])
-            remaining.add_metric([name, kind], figures["remaining"])
+        # SPEC L12a: the account's budgets (model "") and each model's own.
+        for model, figures_of in (("", status), *status.get("models", {}).items()):
+            for kind, figures in figures_of["budgets"].items():
+                limit.add_metric([name, model, kind, figures["source"]],
+                                 figures["limit_per_minute"])
+                remaining.add_metric([name, model, kind], figures["remaining"])
+            hold.add_metric([name, model],
+                            figures_of["hold"]["left_s"] if figures_of["hold"] else 0.0)
         used.add_metric([name], status["used_last_minute"])
-        hold.add_metric([name], status["hold"]["left_s"] if status["hold"] else 0.0)
     yield from (limit, remaining, used, hold)
 
 

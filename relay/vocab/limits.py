@@ -45,3 +45,6 @@ class RateLimits:
     # Figures that could not be used (non-finite, negative, unparseable), each as
     # ``header: value``: ignored, and logged once per provider (SPEC L12a).
     ignored: tuple[str, ...] = ()
+    # The 429 named the model it met (its body says so, or it carries the model's own
+    # rate-limit headers): its hold is the model's, not the account's (SPEC L12a).
+    names_model: bool = False

@@ -12,14 +12,16 @@ import functools
 import ipaddress
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 from attrs import validators as v
 
-__all__ = ["MAX_UPSTREAM_BYTES", "PROFILE_FIELDS", "REQUIRED_PROFILE_FIELDS", "Profile",
-           "ProviderConfig", "default_state_dir", "is_loopback_host", "not_negative", "positive"]
+__all__ = ["MAX_UPSTREAM_BYTES", "PROFILE_FIELDS", "REQUIRED_PROFILE_FIELDS", "ModelLimits",
+           "Profile", "ProviderConfig", "default_state_dir", "is_loopback_host", "not_negative",
+           "positive"]
 
 
 # SPEC O5: the most a non-streamed upstream body may hold (after decompression), and the
@@ -48,7 +50,9 @@ class Profile:
     per minute (SPEC L12) — tokens in and out together, input, output; 0 = not set (a
     provider that sends rate-limit headers needs none: relay learns them). max_hold_s:
     the longest a provider's 429 may hold every start (SPEC L12a; a usage-window notice
-    that names its reset may hold up to a day).
+    that names its reset may hold up to a day). first_starts: until a model has been
+    answered once, at most this many of its requests run at once (its first answer's
+    headers tell its limits; 0 = no such wait: local servers, CLI tools).
     """
 
     lanes: int = attrs.field(validator=v.ge(1))
@@ -61,6 +65,18 @@ class Profile:
     itpm: float = attrs.field(default=0.0, validator=not_negative)
     otpm: float = attrs.field(default=0.0, validator=not_negative)
     max_hold_s: float = attrs.field(default=900.0, validator=positive)
+    first_starts: int = attrs.field(default=0, validator=v.ge(0))
+
+
+@attrs.frozen(kw_only=True)
+class ModelLimits:
+    """One model's own configured budgets (``[providers.NAME.limits."MODEL"]``, SPEC
+    L12a): per minute, 0 = not set."""
+
+    rpm: float = attrs.field(default=0.0, validator=not_negative)
+    tpm: float = attrs.field(default=0.0, validator=not_negative)
+    itpm: float = attrs.field(default=0.0, validator=not_negative)
+    otpm: float = attrs.field(default=0.0, validator=not_negative)
 
 
 PROFILE_FIELDS = tuple(a.name for a in attrs.fields(Profile))
@@ -96,6 +112,8 @@ class ProviderConfig:
     # The profile keys the file itself set (the rest are the adapter's), for `relay
     # config check` to say where each figure comes from (SPEC L12).
     profile_from_file: frozenset[str] = frozenset()
+    # SPEC L12a: each model's own configured budgets, by model name.
+    limits: Mapping[str, ModelLimits] = attrs.field(factory=dict)
 
 
 

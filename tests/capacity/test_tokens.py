@@ -9,23 +9,19 @@ request was in flight on the socket would make the provider's minute pass in no 
 from __future__ import annotations
 
 import functools
-import json
-from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import trio
 import trio.testing
 from fakes.fake_metered import Limits, Metered, prompt_tokens, prose, serve_metered
-from helpers.assembled import ASGIResult, asgi_request, config_from, sse_events, start_relay
+from helpers.assembled import ASGIResult, asgi_request, sse_events, start_relay
 from helpers.daemons import run_relay, write
+from helpers.metered import ask, config, lane_of, ok, records, relay_for, send
 from helpers.webdriver import open_browser
 
-from relay import Relay, open_relay
 from relay.capacity.budget import Budget, Need, estimate_input
-from relay.capacity.lanes import Lane
 from relay.vocab.events import Call
 from relay.vocab.limits import RateLimits, Window
 from relay.vocab.profile import Profile
@@ -34,28 +30,6 @@ from relay.vocab.profile import Profile
 @pytest.fixture
 def clock() -> trio.testing.MockClock:
     return trio.testing.MockClock(autojump_threshold=0.02)
-
-
-def config(url: str, profile: str = "", extra: str = "", kind: str = "openai",
-           own: str = "") -> str:
-    base = f"{url}/v1"
-    key = 'api_key_env = "FAKE_METERED_KEY"\n' if kind == "anthropic" else ""
-    key += own
-    return f"""
-[server]
-records = "records.jsonl"
-[providers.p]
-adapter = "{kind}"
-base_url = "{base}"
-{key}
-[providers.p.profile]
-lanes = 8
-queue_max = 100
-queue_timeout_s = 600
-run_timeout_s = 600
-{profile}
-{extra}
-"""
 
 
 @pytest.fixture
@@ -68,42 +42,6 @@ async def fake(nursery: trio.Nursery) -> Metered:
 @pytest.fixture(autouse=True)
 def _key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_METERED_KEY", "sk-fake-metered")
-
-
-def relay_for(tmp_path: Path, text: str) -> AbstractAsyncContextManager[Relay]:
-    return open_relay(config_from(text, tmp_path), discover=False)
-
-
-def send(nursery: trio.Nursery, r: Relay, body: dict[str, Any],
-         path: str = "/v1/chat/completions") -> ASGIResult:
-    result = ASGIResult()
-    nursery.start_soon(functools.partial(asgi_request, r.app, path, body, result))
-    return result
-
-
-def ask(content: str, model: str = "p/m-out100", **extra: Any) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
-
-
-def ok(result: ASGIResult) -> bool:
-    if result.status != 200:
-        return False
-    if result.headers.get("content-type", "").startswith("text/event-stream"):
-        events = sse_events(result.text())
-        return "[DONE]" in events and not any(isinstance(e, dict) and "error" in e
-                                              for e in events)
-    return "choices" in result.json()
-
-
-def lane_of(r: Relay) -> Lane:
-    lane = r.providers["p"].lane
-    assert isinstance(lane, Lane)
-    return lane
-
-
-def records(tmp_path: Path) -> list[dict[str, Any]]:
-    path = tmp_path / "records.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
 # --- the estimate -------------------------------------------------------------------------
@@ -192,7 +130,8 @@ async def test_budgets_learned_from_headers_alone_keep_a_burst_inside_the_limits
             res = send(nursery, r, ask(f"hello {i}", max_tokens=100), path)
             await res.done.wait()
             assert ok(res)
-        status = lane_of(r).budget.status(lambda t: None)["budgets"]
+        # The headers describe the answering model's window (SPEC L12a): its budgets.
+        status = lane_of(r).budget.status(lambda t: None)["models"]["m-out100"]["budgets"]
         assert status["input"]["limit_per_minute"] == 3000
         assert status["input"]["source"] == "header"
         start = trio.current_time()
@@ -213,11 +152,18 @@ async def test_a_configured_figure_lower_than_the_header_wins(
     async with relay_for(tmp_path, config(fake.base_url, "itpm = 1500")) as r:
         res = send(nursery, r, ask("hello", max_tokens=10))
         await res.done.wait()
-        budgets = lane_of(r).budget.status(lambda t: None)["budgets"]
+        status = lane_of(r).budget.status(lambda t: None)
+        budgets = status["budgets"]  # the provider's (the account's), configured
         assert budgets["input"]["limit_per_minute"] == 1500  # this relay's share
-        assert (budgets["input"]["configured"], budgets["input"]["header"]) == (1500, 3000)
+        assert (budgets["input"]["configured"], budgets["input"]["header"]) == (1500, None)
         assert budgets["input"]["source"] == "configured"
-        assert budgets["output"]["source"] == "header"  # learned: none configured
+        model = status["models"]["m-out100"]["budgets"]  # the model's, from its headers
+        assert model["input"]["limit_per_minute"] == 3000
+        assert model["output"]["source"] == "header"  # learned: none configured
+        # Both apply: a request of 2,000 input tokens could never start (SPEC L12a).
+        res = send(nursery, r, ask(prose(2000, 9), max_tokens=10))
+        await res.done.wait()
+        assert res.status == 400 and "1,500 input tokens" in res.text(), res.text()
 
 
 # --- holds --------------------------------------------------------------------------------
@@ -392,18 +338,21 @@ async def test_status_metrics_and_page_show_each_budget_its_source_and_the_hold(
         budgets = status["providers"]["p"]["budgets"]
         assert budgets["budgets"]["input"]["limit_per_minute"] == 2000
         assert budgets["budgets"]["input"]["source"] == "configured"
-        assert budgets["budgets"]["input"]["header"] == 3000  # what the provider said
-        assert budgets["budgets"]["input"]["header_at"] is not None
-        assert budgets["budgets"]["output"]["source"] == "header"
+        model = budgets["models"]["m-out10"]["budgets"]  # the model's own (SPEC L12a)
+        assert model["input"]["header"] == 3000  # what the provider said
+        assert model["input"]["header_at"] is not None
+        assert model["output"]["source"] == "header"
         assert budgets["used_last_minute"] == sum(fake.prompts) + 3 * 10
         assert budgets["per_minute"][-1] == budgets["used_last_minute"]
         assert budgets["hold"]["cause"] == "retry-after: 120"
         assert 100 < budgets["hold"]["left_s"] <= 120
         metrics = (await client.get(f"{served.url}/metrics")).text
-        assert ('relay_token_budget_limit{budget="input",provider="p",source="configured"} '
-                '2000.0') in metrics
+        assert ('relay_token_budget_limit{budget="input",model="",provider="p",'
+                'source="configured"} 2000.0') in metrics
+        assert ('relay_token_budget_limit{budget="input",model="m-out10",provider="p",'
+                'source="header"} 3000.0') in metrics
         assert f'relay_tokens_used_total{{provider="p"}} {sum(fake.prompts) + 30}.0' in metrics
-        assert 'relay_provider_hold_seconds{provider="p"} 1' in metrics
+        assert 'relay_provider_hold_seconds{model="",provider="p"} 1' in metrics
         async with open_browser(tmp_path) as browser:
             await browser.get(served.url + "/")
             bars = await browser.wait_for(
@@ -422,6 +371,7 @@ async def test_status_metrics_and_page_show_each_budget_its_source_and_the_hold(
                 "return document.querySelector('[data-provider=\"p\"] "
                 "[data-field=\"tokens\"]').textContent;")
             assert "input 2,000/min (configured)" in text
+            assert "m-out10: " in text and "input 3,000/min (header)" in text
     nursery.cancel_scope.cancel()
 
 

@@ -24,8 +24,15 @@ relay's estimate is measured against in docs/tokens.md). An answer is ``out`` to
 "tok" (``out`` from the model name, ``…-out300``, else `Metered.answer_tokens`), cut at
 the request's ``max_tokens``, produced at ``tokens_per_s`` after ``first_token_s``.
 
-It counts what happened: ``answered``, ``rejected`` (its 429s, with their times), the
-peak of requests in progress at once, and the tokens it served.
+Metering as each provider meters (SPEC L12a): ``configure(models=…)`` gives models their
+own buckets (OpenAI meters each model; the headers describe the answering model's);
+``cjk_chars_per_token`` counts CJK text at a set rate; ``cache_s`` turns on Anthropic's
+prompt cache (a conversation's earlier prompt is read from it, reported as
+``cache_read_input_tokens`` and not counted in the input budget).
+
+It counts what happened: ``answered``, ``rejected`` (its 429s, with their times, and
+``rejected_models``), the peak of requests in progress at once, and the tokens it served
+(``cache_reads`` apart).
 """
 
 from __future__ import annotations
@@ -50,10 +57,11 @@ _PIECE = re.compile(r"\w+|[^\w\s]")
 _OUT = re.compile(r"out(\d+)")
 
 
-def count_tokens(text: str) -> int:
-    """The fake's own token count of ``text`` (see the module docstring)."""
+def count_tokens(text: str, cjk: float = 1.0) -> int:
+    """The fake's own token count of ``text`` (see the module docstring); ``cjk``: the
+    characters of CJK text (Hangul, Kana, Han) a token holds."""
     return sum(1 if not (p[0].isalnum() or p[0] == "_") else
-               len(p) if ord(p[0]) >= 0x2E80 else 1 + (len(p) - 1) // 7
+               math.ceil(len(p) / cjk) if ord(p[0]) >= 0x2E80 else 1 + (len(p) - 1) // 7
                for p in _PIECE.findall(text))
 
 
@@ -65,10 +73,11 @@ def _text_of(content: Any) -> str:
     return ""
 
 
-def prompt_tokens(messages: list[dict[str, Any]], system: Any = None) -> int:
-    total = 3 + sum(4 + count_tokens(_text_of(m.get("content"))) for m in messages)
+def prompt_tokens(messages: list[dict[str, Any]], system: Any = None,
+                  cjk: float = 1.0) -> int:
+    total = 3 + sum(4 + count_tokens(_text_of(m.get("content")), cjk) for m in messages)
     if system:
-        total += 4 + count_tokens(_text_of(system))
+        total += 4 + count_tokens(_text_of(system), cjk)
     return total
 
 
@@ -143,7 +152,13 @@ class Metered(FakeServer):
     the first request (`serve_metered` takes them)."""
 
     limits = Limits()
+    model_limits: dict[str, Limits] = {}  # (set per instance by configure)
     send_headers = True
+    cjk_chars_per_token = 1.0
+    # Anthropic's prompt cache: a conversation (its system prompt and first message) seen
+    # within ``cache_s`` is read from the cache up to the length of its last prompt; cache
+    # reads leave no tokens in the input and token buckets (as Anthropic counts them).
+    cache_s = 0.0
     answer_tokens = 100
     tokens_per_s = 500.0
     first_token_s = 0.2
@@ -158,27 +173,41 @@ class Metered(FakeServer):
         self.input_served = 0
         self.output_served = 0
         self.prompts: list[int] = []  # the input tokens of every admitted request
+        self.per_model: dict[str, dict[str, Bucket]] = {}
+        self.rejected_models: list[str] = []  # the model of each 429
+        self.cached: dict[str, tuple[float, int]] = {}  # conversation → (when, prompt)
+        self.cache_reads = 0
 
-    def configure(self, limits: Limits, *, send_headers: bool = True) -> None:
+    def configure(self, limits: Limits, *, send_headers: bool = True,
+                  models: dict[str, Limits] | None = None) -> None:
+        """``models``: models metered on their own buckets (the rest share ``limits``'),
+        as OpenAI meters each model and its headers describe the answering model's."""
         self.limits, self.send_headers = limits, send_headers
         self.buckets = {k: Bucket(v) for k, v in attrs.asdict(limits).items() if v}
+        self.model_limits = dict(models or {})
+        self.per_model = {m: {k: Bucket(v) for k, v in attrs.asdict(lim).items() if v}
+                          for m, lim in self.model_limits.items()}
+
+    def _buckets_of(self, model: str) -> dict[str, Bucket]:
+        return self.per_model.get(model, self.buckets)
 
     # --- the buckets ---------------------------------------------------------------------------
-    def _wait_s(self, t: float, prompt: int) -> tuple[float, str]:
+    def _wait_s(self, t: float, prompt: int, model: str = "") -> tuple[float, str]:
         waits = []
+        buckets = self._buckets_of(model)
         for key, need in (("rpm", 1), ("itpm", prompt), ("tpm", prompt), ("otpm", 1e-9)):
-            bucket = self.buckets.get(key)
+            bucket = buckets.get(key)
             if bucket is not None:
                 waits.append((bucket.wait_s(t, min(need, bucket.limit)), key))
         return max(waits, default=(0.0, ""))
 
-    def _take(self, key: str, amount: float, t: float) -> None:
-        bucket = self.buckets.get(key)
+    def _take(self, key: str, amount: float, t: float, model: str = "") -> None:
+        bucket = self._buckets_of(model).get(key)
         if bucket is not None:
             bucket.now(t)
             bucket.level -= amount
 
-    def headers(self, t: float) -> dict[str, str]:
+    def headers(self, t: float, model: str = "") -> dict[str, str]:
         if not self.send_headers:
             return {}
         out: dict[str, str] = {}
@@ -192,7 +221,7 @@ class Metered(FakeServer):
                                        ("tpm", "tokens", "tokens"),
                                        ("itpm", None, "input-tokens"),
                                        ("otpm", None, "output-tokens")):
-            bucket = self.buckets.get(key)
+            bucket = self._buckets_of(model).get(key)
             if bucket is None:
                 continue
             level, reset = max(0, math.floor(bucket.now(t))), bucket.reset_s(t)
@@ -214,17 +243,22 @@ class Metered(FakeServer):
             return
         model = str(body.get("model", "m"))
         messages = body.get("messages") or []
-        prompt = prompt_tokens(messages, body.get("system"))
+        prompt = prompt_tokens(messages, body.get("system"), self.cjk_chars_per_token)
         t = trio.current_time()
-        wait, which = self._wait_s(t, prompt)
+        read = self._cache_read(body, messages, prompt, t) if anthropic else 0
+        counted = prompt - read  # what the input and token buckets count
+        wait, which = self._wait_s(t, counted, model)
         if wait > 0:
-            await self._reject(ex, t, wait, which, prompt, model, anthropic)
+            await self._reject(ex, t, wait, which, counted, model, anthropic)
             return
-        self._take("rpm", 1, t)
-        self._take("itpm", prompt, t)
-        self._take("tpm", prompt, t)
-        self.prompts.append(prompt)
-        self.input_served += prompt
+        self._take("rpm", 1, t, model)
+        self._take("itpm", counted, t, model)
+        self._take("tpm", counted, t, model)
+        self.prompts.append(counted)
+        self.input_served += counted
+        self.cache_reads += read
+        if self.cache_s:
+            self.cached[self._conversation(body, messages)] = (t, prompt)
         match = _OUT.search(model)
         out = int(match[1]) if match else self.answer_tokens
         cap = body.get("max_tokens") or body.get("max_completion_tokens")
@@ -232,27 +266,43 @@ class Metered(FakeServer):
             out = min(out, cap)
         self.active += 1
         self.peak = max(self.peak, self.active)
+        usage = ({"input_tokens": counted, "cache_read_input_tokens": read,
+                  "cache_creation_input_tokens": 0} if read else {"input_tokens": prompt})
         try:
             if body.get("stream"):
-                await self._stream(ex, model, prompt, out, anthropic)
+                await self._stream(ex, model, prompt, out, anthropic, usage)
             else:
                 await trio.sleep(self.first_token_s + out / self.tokens_per_s)
-                await self._whole(ex, model, prompt, out, anthropic)
+                await self._whole(ex, model, prompt, out, anthropic, usage)
             self.answered += 1
         finally:
             self.active -= 1
             done = trio.current_time()
-            self._take("otpm", out, done)
-            self._take("tpm", out, done)
+            self._take("otpm", out, done, model)
+            self._take("tpm", out, done, model)
             self.output_served += out
             self.notify()
+
+    def _conversation(self, body: dict[str, Any], messages: list[dict[str, Any]]) -> str:
+        first = messages[0].get("content") if messages else None
+        return json.dumps([body.get("model"), body.get("system"), first], default=str)
+
+    def _cache_read(self, body: dict[str, Any], messages: list[dict[str, Any]],
+                    prompt: int, t: float) -> int:
+        """The prompt tokens read from the cache: the conversation's last prompt, when
+        it was seen within ``cache_s`` (Anthropic: a prefix cached at its last turn)."""
+        seen = self.cached.get(self._conversation(body, messages)) if self.cache_s else None
+        if seen is None or t - seen[0] > self.cache_s:
+            return 0
+        return min(seen[1], prompt - 1)
 
     async def _reject(self, ex: Exchange, t: float, wait: float, which: str, prompt: int,
                       model: str, anthropic: bool) -> None:
         self.rejected.append(t)
+        self.rejected_models.append(model)
         self.notify()
-        bucket = self.buckets[which]
-        headers = self.headers(t)
+        bucket = self._buckets_of(model)[which]
+        headers = self.headers(t, model)
         if self.send_headers:
             headers["retry-after"] = str(max(1, math.ceil(wait)))
         names = {"rpm": ("requests per min (RPM)", "requests per minute"),
@@ -279,15 +329,14 @@ class Metered(FakeServer):
         await ex.send_json(429, body, headers)
 
     async def _whole(self, ex: Exchange, model: str, prompt: int, out: int,
-                     anthropic: bool) -> None:
+                     anthropic: bool, usage: dict[str, int]) -> None:
         text = "tok " * out
-        headers = self.headers(trio.current_time())
+        headers = self.headers(trio.current_time(), model)
         if anthropic:
             await ex.send_json(200, {
                 "id": "msg_fake", "type": "message", "role": "assistant", "model": model,
                 "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
-                "stop_sequence": None,
-                "usage": {"input_tokens": prompt, "output_tokens": out}}, headers)
+                "stop_sequence": None, "usage": {**usage, "output_tokens": out}}, headers)
             return
         await ex.send_json(200, {
             "id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": model,
@@ -297,8 +346,8 @@ class Metered(FakeServer):
                       "total_tokens": prompt + out}}, headers)
 
     async def _stream(self, ex: Exchange, model: str, prompt: int, out: int,
-                      anthropic: bool) -> None:
-        await ex.start_sse(self.headers(trio.current_time()))
+                      anthropic: bool, usage: dict[str, int]) -> None:
+        await ex.start_sse(self.headers(trio.current_time(), model))
         await trio.sleep(self.first_token_s)
         pieces = max(1, min(out, 10))
         per = [out // pieces + (1 if i < out % pieces else 0) for i in range(pieces)]
@@ -311,7 +360,7 @@ class Metered(FakeServer):
             await send("message_start", {"type": "message_start", "message": {
                 "id": "msg_fake", "type": "message", "role": "assistant", "model": model,
                 "content": [], "stop_reason": None,
-                "usage": {"input_tokens": prompt, "output_tokens": 1}}})
+                "usage": {**usage, "output_tokens": 1}}})
             await send("content_block_start", {"type": "content_block_start", "index": 0,
                                                "content_block": {"type": "text", "text": ""}})
         for n in per:
@@ -344,10 +393,12 @@ class Metered(FakeServer):
 
 
 async def serve_metered(limits: Limits, *, send_headers: bool = True,
+                        models: dict[str, Limits] | None = None,
                         task_status: trio.TaskStatus[Metered] = trio.TASK_STATUS_IGNORED
                         ) -> None:
-    """Serve a `Metered` with ``limits`` on 127.0.0.1 (a free port) until cancelled."""
+    """Serve a `Metered` with ``limits`` (and ``models``' own) on 127.0.0.1 (a free port)
+    until cancelled."""
     async with trio.open_nursery() as nursery:
         server: Metered = await nursery.start(serve_fake, Metered)
-        server.configure(limits, send_headers=send_headers)
+        server.configure(limits, send_headers=send_headers, models=models)
         task_status.started(server)
