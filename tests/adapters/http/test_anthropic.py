@@ -229,7 +229,9 @@ def test_stop_reasons(stop_reason: str | None, finish: str) -> None:
 @pytest.mark.parametrize(("raw", "usage"), [
     ({"input_tokens": 10, "output_tokens": 4}, Usage(10, 4, 14)),
     ({"input_tokens": 10, "cache_creation_input_tokens": 5, "cache_read_input_tokens": 20,
-      "output_tokens": 4}, Usage(35, 4, 39)),
+      "output_tokens": 4}, Usage(35, 4, 39, cache_read_tokens=20, cache_write_tokens=5)),
+    ({"input_tokens": 10, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+      "output_tokens": 4}, Usage(10, 4, 14, cache_read_tokens=0, cache_write_tokens=0)),
     ({}, Usage(0, 0, 0)),
     (None, Usage(0, 0, 0)),
 ])
@@ -369,8 +371,10 @@ async def test_plain_and_streamed_text(nursery: trio.Nursery, tmp_path: Path,
         assert body["choices"][0]["message"] == {"role": "assistant",
                                                  "content": "Hello world"}
         assert body["choices"][0]["finish_reason"] == "stop"
+        # The fake's 12 uncached and 3 read from the cache: 15, 3 of them cached (L12a).
         assert body["usage"] == {"prompt_tokens": 15, "completion_tokens": 5,
-                                 "total_tokens": 20}
+                                 "total_tokens": 20,
+                                 "prompt_tokens_details": {"cached_tokens": 3}}
         assert body["model"] == "claude/claude-test-1"
 
         r = await client.post(served.url + CHAT, json={
@@ -392,7 +396,8 @@ async def test_plain_and_streamed_text(nursery: trio.Nursery, tmp_path: Path,
                                           "content": [{"type": "text", "text": "hi"}]}]}
     assert sent[1].json["stream"] is True
     rec = await one_record(tmp_path, 2)
-    assert rec["usage"] == {"prompt_tokens": 15, "completion_tokens": 5, "total_tokens": 20}
+    assert rec["usage"] == {"prompt_tokens": 15, "completion_tokens": 5, "total_tokens": 20,
+                            "cache_read_tokens": 3}
     assert lane_idle(served)
 
 
