@@ -164,6 +164,30 @@ def test_request_translation(messages: list[dict[str, Any]], params: dict[str, A
     assert body["stream"] is True
 
 
+def test_cache_control_markers_go_on_the_matching_blocks() -> None:
+    """SPEC L12a: a chat part's ``cache_control`` goes on its block, a message's on the
+    message's last block (an assistant's tool call, a tool result), a tool's on the
+    tool; a prefill keeps its marker when its whitespace is cut."""
+    mark = {"type": "ephemeral"}
+    body, _ = messages_request(call([
+        user([{"type": "text", "text": "a", "cache_control": mark},
+              {"type": "text", "text": "b"}]),
+        {"role": "assistant", "content": "c", "cache_control": mark, "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "r", "cache_control": mark},
+        {"role": "assistant", "content": [{"type": "text", "text": "d ",
+                                           "cache_control": mark}]}],
+        tools=[{"type": "function", "function": {"name": "f"}, "cache_control": mark}]))
+    user_turn, calls, results, prefill = body["messages"]
+    assert user_turn["content"] == [{"type": "text", "text": "a", "cache_control": mark},
+                                    {"type": "text", "text": "b"}]
+    assert "cache_control" not in calls["content"][0]
+    assert calls["content"][1]["cache_control"] == mark   # the tool_use block
+    assert results["content"][0]["cache_control"] == mark
+    assert prefill["content"] == [{"type": "text", "text": "d", "cache_control": mark}]
+    assert body["tools"][0]["cache_control"] == mark
+
+
 def test_prefill_whitespace_is_cut_and_not_repeated() -> None:
     body, strip = messages_request(call([user("hi"), {"role": "assistant",
                                                       "content": "Hello "}]))
