@@ -173,17 +173,19 @@ def classify(provider: str, result: dict[str, Any],
     usage = result.get("usage") if isinstance(result.get("usage"), dict) else {}
     assert isinstance(usage, dict)
 
-    def num(key: str) -> int:
+    def num(key: str) -> int | None:
         value = usage.get(key)
-        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+        return value if type(value) is int and value >= 0 else None
 
-    prompt = num("input_tokens") + num("cache_creation_input_tokens") + num(
-        "cache_read_input_tokens")
-    completion = num("output_tokens")
+    # Anthropic's counts: input_tokens is the uncached part (SPEC L12a).
+    read, write = num("cache_read_input_tokens"), num("cache_creation_input_tokens")
+    prompt = (num("input_tokens") or 0) + (read or 0) + (write or 0)
+    completion = num("output_tokens") or 0
     errors = [str(e) for e in result.get("errors") or ()]
     return Outcome(
         text=text, finish="length" if result.get("stop_reason") == "max_tokens" else "stop",
-        usage=Usage(prompt, completion, prompt + completion) if usage else None,
+        usage=Usage(prompt, completion, prompt + completion, cache_read_tokens=read,
+                    cache_write_tokens=write) if usage else None,
         error_signal="; ".join(errors) or None)   # completed, but with errors: E3
 
 

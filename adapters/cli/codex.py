@@ -273,7 +273,9 @@ class CodexCLIAdapter(CLIAdapter):
             elif method == "thread/tokenUsage/updated":
                 last = (params.get("tokenUsage") or {}).get("last") or {}
                 usage = Usage(last.get("inputTokens"), last.get("outputTokens"),
-                              last.get("totalTokens"))
+                              last.get("totalTokens"),
+                              cache_read_tokens=_count(last.get("cachedInputTokens")),
+                              cache_write_tokens=_count(last.get("cacheWriteInputTokens")))
             elif method == "error":
                 error = params.get("error") or {}
                 message = str(error.get("message") or "")
@@ -347,11 +349,20 @@ def _field(provider: str, msg: dict[str, Any], what: str, *path: str) -> Any:
     return value
 
 
+def _count(value: Any) -> int | None:
+    return value if type(value) is int and value >= 0 else None
+
+
 def _usage(raw: Any) -> Usage | None:
+    """``turn.completed``'s usage: OpenAI's counts (``input_tokens`` counts the cached
+    ones too; ``cached_input_tokens`` and ``cache_write_input_tokens`` say how many,
+    SPEC L12a)."""
     if not isinstance(raw, dict):
         return None
     prompt = raw.get("input_tokens")
     completion = raw.get("output_tokens")
     total = prompt + completion if isinstance(prompt, int) and isinstance(completion, int) \
         else None
-    return Usage(prompt, completion, total)
+    return Usage(prompt, completion, total,
+                 cache_read_tokens=_count(raw.get("cached_input_tokens")),
+                 cache_write_tokens=_count(raw.get("cache_write_input_tokens")))

@@ -336,6 +336,10 @@ def _usage(stats: dict[str, Any]) -> Usage | None:
     total = stats.get("total_tokens")
     if not isinstance(total, int) and isinstance(prompt, int) and isinstance(completion, int):
         total = prompt + completion
+    # input_tokens counts the cached ones too; ``cached`` (stream-json's stats) says how
+    # many (SPEC L12a).
+    cached = stats.get("cached")
     return Usage(prompt if isinstance(prompt, int) else None,
                  completion if isinstance(completion, int) else None,
-                 total if isinstance(total, int) else None)
+                 total if isinstance(total, int) else None,
+                 cache_read_tokens=cached if type(cached) is int and cached >= 0 else None)

@@ -103,17 +103,17 @@ class AnthropicSettings(HTTPSettings):
 # --- answer: Messages → relay events ---------------------------------------------------------
 
 def usage_of(raw: Any) -> Usage:
-    """Anthropic's usage → relay's. Cached prompt tokens count as prompt tokens."""
+    """Anthropic's usage → relay's (SPEC L12a). Anthropic's ``input_tokens`` is only the
+    uncached part: the prompt is it, the cache reads (``cache_read_input_tokens``) and the
+    cache writes (``cache_creation_input_tokens``) together, and the two cache figures are
+    kept apart (None: Anthropic did not say)."""
     raw = raw if isinstance(raw, dict) else {}
-
-    def num(key: str) -> int:
-        val = raw.get(key)
-        return val if isinstance(val, int) and not isinstance(val, bool) else 0
-
-    prompt = num("input_tokens") + num("cache_creation_input_tokens") + \
-        num("cache_read_input_tokens")
-    completion = num("output_tokens")
-    return Usage(prompt, completion, prompt + completion)
+    read = count_of(raw.get("cache_read_input_tokens"))
+    write = count_of(raw.get("cache_creation_input_tokens"))
+    prompt = (count_of(raw.get("input_tokens")) or 0) + (read or 0) + (write or 0)
+    completion = count_of(raw.get("output_tokens")) or 0
+    return Usage(prompt, completion, prompt + completion, cache_read_tokens=read,
+                 cache_write_tokens=write)
 
 
 class MessageReader:

@@ -51,9 +51,15 @@ def _image_block(part: dict[str, Any], where: str) -> dict[str, Any]:
                        where)
 
 
+def _marked(block: dict[str, Any], marker: Any) -> dict[str, Any]:
+    """``block`` with the client's ``cache_control`` marker, if it gave one (SPEC L12a:
+    the marker reaches the provider that honours it)."""
+    return {**block, "cache_control": marker} if isinstance(marker, dict) else block
+
+
 def _blocks(content: Any, where: str, *, images: bool) -> list[dict[str, Any]]:
     """OpenAI content (a string or parts) → Messages content blocks (empty text dropped:
-    Anthropic refuses empty text blocks)."""
+    Anthropic refuses empty text blocks). A part's ``cache_control`` goes on its block."""
     if content is None:
         return []
     if isinstance(content, str):
@@ -62,20 +68,30 @@ def _blocks(content: Any, where: str, *, images: bool) -> list[dict[str, Any]]:
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = part.get("type")
+        marker = part.get("cache_control")
         if kind == "text":
             if text := _text(part, at):
-                out.append({"type": "text", "text": text})
+                out.append(_marked({"type": "text", "text": text}, marker))
         elif kind == "image_url" and images:
-            out.append(_image_block(part, at))
+            out.append(_marked(_image_block(part, at), marker))
         elif kind == "file" and images:
             inline = data_url(str(obj(part.get("file")).get("file_data") or ""))
             if inline is None or inline[0] != "application/pdf":
                 raise _unsupported("a file other than a PDF as a base64 data: URL", at)
-            out.append({"type": "document", "source": {"type": "base64",
-                        "media_type": inline[0], "data": inline[1]}})
+            out.append(_marked({"type": "document", "source": {"type": "base64",
+                                "media_type": inline[0], "data": inline[1]}}, marker))
         else:
             raise _unsupported(f"a content part of type {kind!r}", at)
     return out
+
+
+def _message_blocks(message: dict[str, Any], blocks: list[dict[str, Any]]
+                    ) -> list[dict[str, Any]]:
+    """A message's ``cache_control`` (as LiteLLM and OpenRouter take it: the cache ends
+    with this message) goes on its last block."""
+    if blocks and isinstance(message.get("cache_control"), dict):
+        blocks[-1] = _marked(blocks[-1], message["cache_control"])
+    return blocks
 
 
 def _add(turns: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]]) -> None:
@@ -102,7 +118,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
                                 or {"type": "object", "properties": {}}}
         if fn.get("description"):
             spec["description"] = fn["description"]
-        out.append(spec)
+        out.append(_marked(spec, tool.get("cache_control")))
     return out
 
 
@@ -125,9 +141,10 @@ def _turns(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
         where, role = f"messages[{i}]", message.get("role")
         content = message.get("content")
         if role in ("system", "developer"):
-            system += _blocks(content, where, images=False)
+            system += _message_blocks(message, _blocks(content, where, images=False))
         elif role == "user":
-            _add(turns, "user", _blocks(content, where, images=True))
+            _add(turns, "user", _message_blocks(message, _blocks(content, where,
+                                                                 images=True)))
         elif role == "assistant":
             blocks = _blocks(content, where, images=False)
             for j, (call_id, name, args, _) in enumerate(tool_calls(message, where)):
@@ -136,7 +153,7 @@ def _turns(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
                                      "id", param="messages")
                 blocks.append({"type": "tool_use", "id": call_id, "name": name,
                                "input": args})
-            _add(turns, "assistant", blocks)
+            _add(turns, "assistant", _message_blocks(message, blocks))
         elif role == "tool":
             if not isinstance(message.get("tool_call_id"), str):
                 raise RelayError("invalid_request", f"{where}.tool_call_id is required",
@@ -146,7 +163,7 @@ def _turns(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
             texts = _blocks(content, where, images=False)
             if texts:
                 result["content"] = texts
-            _add(turns, "user", [result])
+            _add(turns, "user", _message_blocks(message, [result]))
         else:
             raise _unsupported(f"a message with role {role!r}", where)
 
@@ -164,7 +181,7 @@ def _strip_prefill(turns: list[dict[str, Any]]) -> str:
         kept = text.rstrip()
         stripped = text[len(kept):]
         if kept:
-            last["content"][-1] = {"type": "text", "text": kept}
+            last["content"][-1] = {**last["content"][-1], "text": kept}
         else:
             last["content"].pop()
             if not last["content"]:

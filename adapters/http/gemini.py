@@ -107,7 +107,10 @@ def usage_of(raw: Any) -> Usage:
     answer, thoughts = num("candidatesTokenCount"), num("thoughtsTokenCount")
     completion = None if answer is None and thoughts is None else (answer or 0) + (
         thoughts or 0)
-    return Usage(prompt, completion, num("totalTokenCount"))
+    # promptTokenCount counts the cached ones too; cachedContentTokenCount says how many
+    # (SPEC L12a).
+    return Usage(prompt, completion, num("totalTokenCount"),
+                 cache_read_tokens=count_of(raw.get("cachedContentTokenCount")))
 
 
 class CandidateReader:

@@ -324,10 +324,16 @@ class OpenAIAdapter(HTTPAdapter):
 
 
 def _usage(raw: dict[str, Any]) -> Usage:
+    """OpenAI's usage: ``prompt_tokens`` counts the cached ones too, and
+    ``prompt_tokens_details.cached_tokens`` says how many were read from the cache
+    (SPEC L12a)."""
     def num(key: str) -> int | None:
         val = raw.get(key)
         return val if isinstance(val, int) and not isinstance(val, bool) else None
-    return Usage(num("prompt_tokens"), num("completion_tokens"), num("total_tokens"))
+    details = raw.get("prompt_tokens_details")
+    cached = count_of(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return Usage(num("prompt_tokens"), num("completion_tokens"), num("total_tokens"),
+                 cache_read_tokens=cached)
 
 
 # An error inside a 200 stream carries no HTTP status: the one its type or code stands for.

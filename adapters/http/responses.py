@@ -34,7 +34,11 @@ def _usage(raw: Any) -> Usage | None:
     def num(key: str) -> int | None:
         val = raw.get(key)
         return val if isinstance(val, int) and not isinstance(val, bool) else None
-    return Usage(num("input_tokens"), num("output_tokens"), num("total_tokens"))
+    # input_tokens counts the cached ones too; input_tokens_details says how many (L12a).
+    details = raw.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(num("input_tokens"), num("output_tokens"), num("total_tokens"),
+                 cache_read_tokens=cached if type(cached) is int and cached >= 0 else None)
 
 
 def _finish(response: dict[str, Any]) -> str:

@@ -47,8 +47,16 @@ def _tool_input(arguments: Any) -> dict[str, Any]:
 
 
 def _usage(usage: Usage | None) -> dict[str, int]:
-    return {"input_tokens": (usage.prompt_tokens or 0) if usage else 0,
-            "output_tokens": (usage.completion_tokens or 0) if usage else 0}
+    """Anthropic's usage (SPEC L12a): ``input_tokens`` is the uncached part of the prompt,
+    beside the cache reads and writes (0 when the provider did not say, as Anthropic
+    always gives both)."""
+    if usage is None:
+        return {"input_tokens": 0, "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0, "output_tokens": 0}
+    read, write = usage.cache_read_tokens or 0, usage.cache_write_tokens or 0
+    return {"input_tokens": max(0, (usage.prompt_tokens or 0) - read - write),
+            "cache_creation_input_tokens": write, "cache_read_input_tokens": read,
+            "output_tokens": usage.completion_tokens or 0}
 
 
 class AnthropicRender:
@@ -120,7 +128,7 @@ class AnthropicStream:
         return _event("message_start", {"type": "message_start", "message": {
             "id": self.id, "type": "message", "role": "assistant", "model": self.model,
             "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0}}})
+            "usage": _usage(None)}})
 
     def _close(self) -> bytes:
         if self.block is None:

@@ -104,8 +104,11 @@ def usage_metadata(usage: Usage | None) -> dict[str, int]:
     if usage is None:
         return {"promptTokenCount": 0, "candidatesTokenCount": 0, "totalTokenCount": 0}
     prompt, answer = usage.prompt_tokens or 0, usage.completion_tokens or 0
-    return {"promptTokenCount": prompt, "candidatesTokenCount": answer,
-            "totalTokenCount": usage.total_tokens or prompt + answer}
+    out = {"promptTokenCount": prompt, "candidatesTokenCount": answer,
+           "totalTokenCount": usage.total_tokens or prompt + answer}
+    if usage.cache_read_tokens is not None:   # (counted in promptTokenCount too, L12a)
+        out["cachedContentTokenCount"] = usage.cache_read_tokens
+    return out
 
 
 class GeminiRender:

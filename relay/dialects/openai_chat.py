@@ -21,7 +21,7 @@ from .schemas import CHAT_SCHEMA
 from .typed import INT_MAX, check
 
 __all__ = ["CHAT_SCHEMA", "INT_MAX", "MAX_JSON_DEPTH", "OPENAI", "OpenAIDialect",
-           "bad_request", "load_json", "load_request", "parse_chat_body"]
+           "bad_request", "load_json", "load_request", "parse_chat_body", "usage_body"]
 
 # How deep a request body may nest (objects and arrays; the body itself is level 1). Real
 # requests, JSON schemas of tools included, stay far below it; relay and every encoder
@@ -33,6 +33,21 @@ _NUMBERS = {int, float, bool}
 
 def bad_request(message: str, param: str | None = None) -> RelayError:
     return RelayError("invalid_request", message, param=param)
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    """``usage`` in OpenAI's shape: ``prompt_tokens`` counts every prompt token, cached or
+    not, and ``prompt_tokens_details.cached_tokens`` those read from the provider's cache
+    (SPEC L12a; there only when the provider said). ``estimated`` is relay's one addition
+    (SPEC A1a); the cache writes have no OpenAI field (the record keeps them)."""
+    out: dict[str, Any] = {"prompt_tokens": usage.prompt_tokens,
+                           "completion_tokens": usage.completion_tokens,
+                           "total_tokens": usage.total_tokens}
+    if usage.estimated:
+        out["estimated"] = True
+    if usage.cache_read_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": usage.cache_read_tokens}
+    return out
 
 
 
@@ -191,7 +206,7 @@ class OpenAIDialect:
             "created": answer.created, "model": answer.model,
             "choices": [answer.choices[i] for i in sorted(answer.choices)]}
         if answer.usage is not None:
-            body["usage"] = answer.usage.as_dict()
+            body["usage"] = usage_body(answer.usage)
         return body
 
     def encoder(self, request_id: str, created: int, include_usage: bool) -> OpenAIStream:
@@ -246,7 +261,7 @@ class OpenAIStream:
         if self.include_usage and self.usage is not None:
             out += b"data: " + dumps({
                 "id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "choices": [], "usage": self.usage.as_dict()}) + b"\n\n"
+                "model": self.model, "choices": [], "usage": usage_body(self.usage)}) + b"\n\n"
         return out + b"data: [DONE]\n\n"
 
     def error(self, error: RelayError) -> bytes:

@@ -54,7 +54,9 @@ def _usage(usage: Usage | None) -> dict[str, Any] | None:
     if usage is None:
         return None
     inp, out = usage.prompt_tokens or 0, usage.completion_tokens or 0
-    return {"input_tokens": inp, "input_tokens_details": {"cached_tokens": 0},
+    # input_tokens counts the cached ones too (SPEC L12a).
+    return {"input_tokens": inp,
+            "input_tokens_details": {"cached_tokens": usage.cache_read_tokens or 0},
             "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage.total_tokens if usage.total_tokens is not None
             else inp + out}

@@ -237,7 +237,8 @@ def test_render(finish: str | None, stop_reason: str) -> None:
                     {"type": "tool_use", "id": "toolu_1", "name": "g",
                      "input": {"_arguments": "{oops"}}],
         "stop_reason": stop_reason, "stop_sequence": None,
-        "usage": {"input_tokens": 7, "output_tokens": 3}}
+        "usage": {"input_tokens": 7, "cache_creation_input_tokens": 0,
+                  "cache_read_input_tokens": 0, "output_tokens": 3}}
 
 
 def test_stream_encoder() -> None:
@@ -255,7 +256,8 @@ def test_stream_encoder() -> None:
         ("message_start", {"type": "message_start", "message": {
             "id": "msg_abc", "type": "message", "role": "assistant", "model": "p/m",
             "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0}}}),
+            "usage": {"input_tokens": 0, "cache_creation_input_tokens": 0,
+                      "cache_read_input_tokens": 0, "output_tokens": 0}}}),
         ("content_block_start", {"type": "content_block_start", "index": 0,
                                  "content_block": {"type": "text", "text": ""}}),
         ("content_block_delta", {"type": "content_block_delta", "index": 0,
@@ -271,7 +273,8 @@ def test_stream_encoder() -> None:
         ("content_block_stop", {"type": "content_block_stop", "index": 1}),
         ("message_delta", {"type": "message_delta",
                            "delta": {"stop_reason": "tool_use", "stop_sequence": None},
-                           "usage": {"input_tokens": 5, "output_tokens": 2}}),
+                           "usage": {"input_tokens": 5, "cache_creation_input_tokens": 0,
+                                     "cache_read_input_tokens": 0, "output_tokens": 2}}),
         ("message_stop", {"type": "message_stop"}),
     ]
 

@@ -70,6 +70,13 @@ async def test_answer(tmp_path: Path, client: httpx.AsyncClient, provider: str) 
     rec = records(tmp_path)[0]
     assert rec["status"] == 200 and rec["recovered"] is False
     assert rec["usage"]["completion_tokens"] == 4
+    # The cache figures each fake tool reports (SPEC L12a): claude Anthropic's two,
+    # codex exec its cached_input_tokens; the others say nothing of a cache.
+    cache = {k: rec["usage"][k] for k in ("cache_read_tokens", "cache_write_tokens")
+             if k in rec["usage"]}
+    assert cache == {"claude": {"cache_read_tokens": 0, "cache_write_tokens": 0},
+                     "claude-s": {"cache_read_tokens": 0, "cache_write_tokens": 0},
+                     "codex": {"cache_read_tokens": 0}}.get(provider, {})
 
 
 @pytest.mark.parametrize("provider", ["claude", "claude-s", "codex-s", "gemini",

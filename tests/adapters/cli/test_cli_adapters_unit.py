@@ -7,9 +7,12 @@ import pytest
 import relay  # noqa: F401  (imports the adapters through the registry, in order)
 from relay.adapters.cli.base import render
 from relay.adapters.cli.claude import E2_FENCE, classify, disguised_failure
+from relay.adapters.cli.codex import _usage as codex_usage
 from relay.adapters.cli.codex import codex_failure
+from relay.adapters.cli.gemini import _usage as gemini_usage
 from relay.adapters.cli.gemini import gemini_failure
 from relay.vocab.errors import RelayError
+from relay.vocab.events import Usage
 
 
 def success(text: str, **extra: object) -> dict[str, object]:
@@ -82,3 +85,36 @@ def test_codex_failures(message: str, reason: str) -> None:
 ])
 def test_gemini_failures(message: str, rc: int, reason: str) -> None:
     assert gemini_failure("p", message, rc=rc).reason == reason
+
+
+# --- usage: the cache split each tool reports (SPEC L12a) -------------------------------------
+
+def test_claude_usage_counts_cache_reads_and_writes_in_the_prompt() -> None:
+    """claude's result usage is Anthropic's: input_tokens is the uncached part."""
+    outcome = classify("p", success("Paris.", usage={
+        "input_tokens": 7, "cache_read_input_tokens": 900, "cache_creation_input_tokens": 40,
+        "output_tokens": 4}), None)
+    assert not isinstance(outcome, RelayError)
+    assert outcome.usage == Usage(947, 4, 951, cache_read_tokens=900, cache_write_tokens=40)
+    outcome = classify("p", success("Paris.", usage={"input_tokens": 7,
+                                                     "output_tokens": 4}), None)
+    assert not isinstance(outcome, RelayError)
+    assert outcome.usage == Usage(7, 4, 11)   # it said nothing of a cache: unknown
+
+
+def test_codex_usage_keeps_its_cached_input_tokens() -> None:
+    """codex exec's turn.completed usage is OpenAI's: input_tokens counts the cached."""
+    assert codex_usage({"input_tokens": 100, "cached_input_tokens": 80,
+                        "cache_write_input_tokens": 5, "output_tokens": 4}) == Usage(
+        100, 4, 104, cache_read_tokens=80, cache_write_tokens=5)
+    assert codex_usage({"input_tokens": 10, "output_tokens": 4}) == Usage(10, 4, 14)
+
+
+def test_gemini_stream_json_stats_keep_cached() -> None:
+    """gemini's stream-json stats: input_tokens counts the cached, ``cached`` says how
+    many (its convertToStreamStats)."""
+    assert gemini_usage({"total_tokens": 104, "input_tokens": 100, "output_tokens": 4,
+                         "cached": 60, "input": 40}) == Usage(100, 4, 104,
+                                                              cache_read_tokens=60)
+    assert gemini_usage({"total_tokens": 14, "input_tokens": 10,
+                         "output_tokens": 4}) == Usage(10, 4, 14)

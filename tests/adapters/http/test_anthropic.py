@@ -164,6 +164,30 @@ def test_request_translation(messages: list[dict[str, Any]], params: dict[str, A
     assert body["stream"] is True
 
 
+def test_cache_control_markers_go_on_the_matching_blocks() -> None:
+    """SPEC L12a: a chat part's ``cache_control`` goes on its block, a message's on the
+    message's last block (an assistant's tool call, a tool result), a tool's on the
+    tool; a prefill keeps its marker when its whitespace is cut."""
+    mark = {"type": "ephemeral"}
+    body, _ = messages_request(call([
+        user([{"type": "text", "text": "a", "cache_control": mark},
+              {"type": "text", "text": "b"}]),
+        {"role": "assistant", "content": "c", "cache_control": mark, "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "r", "cache_control": mark},
+        {"role": "assistant", "content": [{"type": "text", "text": "d ",
+                                           "cache_control": mark}]}],
+        tools=[{"type": "function", "function": {"name": "f"}, "cache_control": mark}]))
+    user_turn, calls, results, prefill = body["messages"]
+    assert user_turn["content"] == [{"type": "text", "text": "a", "cache_control": mark},
+                                    {"type": "text", "text": "b"}]
+    assert "cache_control" not in calls["content"][0]
+    assert calls["content"][1]["cache_control"] == mark   # the tool_use block
+    assert results["content"][0]["cache_control"] == mark
+    assert prefill["content"] == [{"type": "text", "text": "d", "cache_control": mark}]
+    assert body["tools"][0]["cache_control"] == mark
+
+
 def test_prefill_whitespace_is_cut_and_not_repeated() -> None:
     body, strip = messages_request(call([user("hi"), {"role": "assistant",
                                                       "content": "Hello "}]))
@@ -229,7 +253,9 @@ def test_stop_reasons(stop_reason: str | None, finish: str) -> None:
 @pytest.mark.parametrize(("raw", "usage"), [
     ({"input_tokens": 10, "output_tokens": 4}, Usage(10, 4, 14)),
     ({"input_tokens": 10, "cache_creation_input_tokens": 5, "cache_read_input_tokens": 20,
-      "output_tokens": 4}, Usage(35, 4, 39)),
+      "output_tokens": 4}, Usage(35, 4, 39, cache_read_tokens=20, cache_write_tokens=5)),
+    ({"input_tokens": 10, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+      "output_tokens": 4}, Usage(10, 4, 14, cache_read_tokens=0, cache_write_tokens=0)),
     ({}, Usage(0, 0, 0)),
     (None, Usage(0, 0, 0)),
 ])
@@ -369,8 +395,10 @@ async def test_plain_and_streamed_text(nursery: trio.Nursery, tmp_path: Path,
         assert body["choices"][0]["message"] == {"role": "assistant",
                                                  "content": "Hello world"}
         assert body["choices"][0]["finish_reason"] == "stop"
+        # The fake's 12 uncached and 3 read from the cache: 15, 3 of them cached (L12a).
         assert body["usage"] == {"prompt_tokens": 15, "completion_tokens": 5,
-                                 "total_tokens": 20}
+                                 "total_tokens": 20,
+                                 "prompt_tokens_details": {"cached_tokens": 3}}
         assert body["model"] == "claude/claude-test-1"
 
         r = await client.post(served.url + CHAT, json={
@@ -392,7 +420,8 @@ async def test_plain_and_streamed_text(nursery: trio.Nursery, tmp_path: Path,
                                           "content": [{"type": "text", "text": "hi"}]}]}
     assert sent[1].json["stream"] is True
     rec = await one_record(tmp_path, 2)
-    assert rec["usage"] == {"prompt_tokens": 15, "completion_tokens": 5, "total_tokens": 20}
+    assert rec["usage"] == {"prompt_tokens": 15, "completion_tokens": 5, "total_tokens": 20,
+                            "cache_read_tokens": 3}
     assert lane_idle(served)
 
 
