@@ -72,20 +72,20 @@ class Attempting(Protocol):
 def need_of(run_: Run, learned_from: Learned) -> Need:
     """What the attempt takes from its model's and its account's token budgets (SPEC
     L12a): relay's estimate of the input the provider counts — for a provider that does
-    not count cache reads, the part of a conversation it is expected to read from its
-    cache is left out, and a prompt that may be read from it is never refused as too
-    large — plus the output reservation."""
+    not count cache reads, a request that marks a prefix for the cache leaves out the
+    part of its conversation the last answer says is cached, and one relay knows nothing
+    of is never refused as too large — plus the output reservation."""
     call = run_.call
     provider = run_.target.provider
     provider_max = getattr(provider.config.settings, "max_tokens", None)
     learned = learned_from.output(call.model)
     estimate = estimate_input(call)
     needed, sure = estimate, True
-    if skips_cache_reads(provider):
+    if skips_cache_reads(provider) and marks_cache(call):  # (unmarked: nothing cached)
         uncached = provider.conversations.uncached(conversation_of(call), estimate)
         if uncached is not None:
             needed = uncached
-        elif marks_cache(call):
+        else:
             sure = False
     return Need(needed, output_reservation(
         call, learned, provider_max if isinstance(provider_max, int) else None),

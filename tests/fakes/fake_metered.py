@@ -266,8 +266,11 @@ class Metered(FakeServer):
             out = min(out, cap)
         self.active += 1
         self.peak = max(self.peak, self.active)
-        usage = ({"input_tokens": counted, "cache_read_input_tokens": read,
-                  "cache_creation_input_tokens": 0} if read else {"input_tokens": prompt})
+        # A coding agent marks its whole prompt for the cache: what was not read from it
+        # is written to it (all but the last token, so input_tokens is never 0).
+        usage = ({"input_tokens": 1, "cache_read_input_tokens": read,
+                  "cache_creation_input_tokens": counted - 1}
+                 if self.cache_s and anthropic else {"input_tokens": prompt})
         try:
             if body.get("stream"):
                 await self._stream(ex, model, prompt, out, anthropic, usage)
