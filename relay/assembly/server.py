@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import socket
 from functools import partial
 from typing import Any
 
@@ -408,16 +409,18 @@ def _listen_ollama(server: Any, cfg: HyperConfig, main: Any
     if not server.ollama_port:
         return [], []
     host = server.host if is_loopback_host(server.host) else "127.0.0.1"
-    second = HyperConfig()
-    second.bind = [f"[{host}]:{server.ollama_port}" if ":" in host
-                   else f"{host}:{server.ollama_port}"]
+    # (bound here, not by hypercorn's create_sockets: that leaves a socket open when
+    # the port is taken)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
-        sockets = second.create_sockets()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), server.ollama_port))
+        sock.setblocking(False)
     except OSError as exc:
-        for sock in main:
-            sock.close()
+        for opened in (sock, *main):
+            opened.close()
         raise ListenError(host, server.ollama_port, exc, ollama=True) from exc
-    return _listen(sockets.insecure_sockets, cfg.backlog)
+    return _listen([sock], cfg.backlog)
 
 
 def _on_ollama_port(app: Any) -> Any:
