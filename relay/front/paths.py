@@ -13,9 +13,8 @@ decoded (the ASGI ``path``), so ``/v1/models/fake%2Fecho`` is ``/v1/models/fake/
 A path no entry holds is answered here: 404 with the list, in Anthropic's shape under
 ``/v1/messages``, Google's under ``/v1beta``, Ollama's under ``/api/`` and OpenAI's
 elsewhere, logged in one INFO line and recorded with the path as the record's
-``endpoint`` — a client with the wrong
-base URL (``/chat/completions``, ``/v1/v1/…``) or the wrong API (``/v1/completions``)
-learns what to use instead.
+``endpoint`` — a client with the wrong base URL (``/chat/completions``, ``/v1/v1/…``) or
+the wrong API (``/v1/completions``) learns what to use instead.
 """
 
 from __future__ import annotations
