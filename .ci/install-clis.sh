@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install what tests/adapters/cli/test_cli_adapters_real.py needs (and opencode, a client of relay in
-# tests/clients/test_opencode_client.py): the three command-line AI tools from
+# tests/clients/test_opencode_client.py, and ollama-js for tests/clients/test_ollama_clients.py,
+# found there through NODE_PATH=$(npm root -g)): the three command-line AI tools from
 # the npm registry (global, pinned to the versions notes/cli-tools.md observed) and iproute2
 # (`ip netns`: the real tools run in a network namespace that has only loopback).
 # Idempotent: a tool already installed at its pinned version is left alone.
@@ -12,6 +13,7 @@ PINS=(
   "@openai/codex@0.171.0"
   "@google/gemini-cli@0.61.0"
   "opencode-ai@1.18.33"          # a client of relay (tests/clients/test_opencode_client.py)
+  "ollama@0.6.4"                 # ollama-js, a library: tests/clients/test_ollama_clients.py
 )
 
 if ! command -v ip >/dev/null 2>&1; then

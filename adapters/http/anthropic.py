@@ -248,7 +248,8 @@ class AnthropicAdapter(CloudAdapter):
     kind = "anthropic"
     Settings = AnthropicSettings
     # Anthropic continues a final assistant message.
-    capabilities = Capabilities(tools=True, prefill=True, count_tokens=True)
+    capabilities = Capabilities(tools=True, prefill=True, count_tokens=True, vision=True,
+                                thinking=True, context_tokens=200_000)
     default_base_url = "https://api.anthropic.com/v1"
     default_key_env = "ANTHROPIC_API_KEY"
     # SPEC A1a: it speaks Messages (a Messages request passes, unchanged); a chat

@@ -202,7 +202,8 @@ class GeminiAdapter(CloudAdapter):
     kind = "gemini"
     Settings = GeminiSettings
     # Gemini does not reliably continue a final model turn: no prefill.
-    capabilities = Capabilities(tools=True, embeddings=True, count_tokens=True)
+    capabilities = Capabilities(tools=True, embeddings=True, count_tokens=True, vision=True,
+                                thinking=True, context_tokens=1_048_576)
     default_base_url = "https://generativelanguage.googleapis.com/v1beta"
     default_key_env = "GEMINI_API_KEY"
     # SPEC A1a: generation settings, limits, stops, JSON modes and tools are translated;

@@ -96,7 +96,8 @@ class OpenAISettings(HTTPSettings):
 class OpenAIAdapter(HTTPAdapter):
     kind = "openai"
     Settings = OpenAISettings
-    capabilities = Capabilities(tools=True, embeddings=True)
+    # (vision, thinking: as the model behind it can; the kind cannot tell which it is)
+    capabilities = Capabilities(tools=True, embeddings=True, vision=True, thinking=True)
     # It speaks OpenAI chat: every chat-level field passes, known or not (SPEC A1a).
     fields = column(speaks="openai", unknown=PASSED, passed=CHAT_FIELDS)
 
@@ -113,7 +114,8 @@ class OpenAIAdapter(HTTPAdapter):
         self.headers.update(self.settings.headers)
         self.key_missing = bool(self.key_env) and not key
         if self.speaks_responses(self.settings):
-            self.capabilities = Capabilities(tools=True, responses=True)
+            self.capabilities = Capabilities(tools=True, responses=True, vision=True,
+                                             thinking=True)
 
     @classmethod
     def speaks_responses(cls, settings: Any) -> bool:

@@ -54,6 +54,9 @@ class Capabilities:
     from an assistant prefill (the provider's ``prefill`` key may still turn it off).
     embeddings: ``POST /v1/embeddings`` (SPEC A8). count_tokens: the provider's own token
     counter (SPEC A6). responses: can take an OpenAI Responses request as it is (SPEC A7).
+    vision: takes image parts. thinking: its models may think (reasoning text, an effort).
+    context_tokens: the context window its usual models hold (0: relay does not know).
+    The last three are what Ollama's ``/api/show`` lists (SPEC A10).
 
     A kind declares its own; an instance may narrow them from its settings (the
     ``openai`` adapter's ``responses`` key), so the front asks the instance.
@@ -64,6 +67,9 @@ class Capabilities:
     embeddings: bool = False
     count_tokens: bool = False
     responses: bool = False
+    vision: bool = False
+    thinking: bool = False
+    context_tokens: int = 0
 
 
 @attrs.frozen(kw_only=True)

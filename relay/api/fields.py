@@ -53,10 +53,13 @@ import attrs
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call
 
+# layers: long because the policy is one table read whole: its rows (every dialect's own
+# fields among them), the columns, and the sort of one call by a column.
+
 __all__ = ["ACCOUNTING", "ADVISORY", "CHAT_FIELDS", "EFFORT", "LIMITS", "NEUTRAL",
-           "OUTPUT", "OWN_FIELDS", "PASSED", "REFUSED", "RELAY_FIELDS", "SAMPLING", "TOOLS",
-           "TRANSLATED", "Admitted", "Column", "FieldInfo", "Rule", "Treatment", "admit",
-           "column", "refusal_of", "tool_call_required"]
+           "OLLAMA_OPTIONS", "OUTPUT", "OWN_FIELDS", "PASSED", "REFUSED", "RELAY_FIELDS",
+           "SAMPLING", "TOOLS", "TRANSLATED", "Admitted", "Column", "FieldInfo", "Rule",
+           "Treatment", "admit", "column", "refusal_of", "tool_call_required"]
 
 
 class Treatment(enum.Enum):
@@ -115,6 +118,21 @@ LIMITS = ("max_tokens", "max_completion_tokens")
 TOOLS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
 OUTPUT = ("stop", "n", "logprobs", "top_logprobs", "logit_bias", "response_format",
           "modalities", "audio", "web_search_options", "moderation")
+
+# Ollama's options (SPEC A10) that have no chat-level field: how a local model is loaded
+# and sampled. The ones that have (temperature, top_p, top_k, seed, num_predict, stop, the
+# penalties) become chat-level params.
+OLLAMA_OPTIONS = {name: f"a local model's {what}" for name, what in (
+    ("num_ctx", "context window"), ("num_keep", "kept prompt tokens"),
+    ("num_batch", "batch size"), ("num_gpu", "layers on the GPU"), ("main_gpu", "GPU"),
+    ("num_thread", "CPU threads"), ("numa", "NUMA placement"), ("low_vram", "low-VRAM mode"),
+    ("f16_kv", "half-float cache"), ("logits_all", "logits"), ("vocab_only", "vocabulary"),
+    ("use_mmap", "memory mapping"), ("use_mlock", "memory lock"),
+    ("embedding_only", "embedding-only load"), ("min_p", "min-p sampling"),
+    ("typical_p", "typical sampling"), ("tfs_z", "tail-free sampling"),
+    ("repeat_last_n", "repeat window"), ("repeat_penalty", "repeat penalty"),
+    ("mirostat", "Mirostat sampling"), ("mirostat_tau", "Mirostat target"),
+    ("mirostat_eta", "Mirostat rate"), ("penalize_newline", "newline penalty"))}
 
 CHAT_FIELDS: dict[str, FieldInfo] = {
     "temperature": FieldInfo("sampling temperature"),
@@ -197,6 +215,18 @@ OWN_FIELDS: dict[str, dict[str, FieldInfo]] = {
         "tools.googleSearch": FieldInfo("Google Search grounding", None, REFUSED),
         "tools.codeExecution": FieldInfo("code run by Google", None, REFUSED),
         "tools.urlContext": FieldInfo("pages fetched by Google", None, REFUSED),
+    },
+    "ollama": {  # SPEC A10 (relay.dialects.ollama); no provider speaks it
+        "think": FieldInfo("the model's thinking, on or off", _is(False), ADVISORY),
+        "keep_alive": FieldInfo("how long the model stays loaded", None, ADVISORY),
+        "messages.thinking": FieldInfo("thinking passed back", None, ADVISORY),
+        "template": FieldInfo("the model's prompt template", _is(""), ADVISORY),
+        "raw": FieldInfo("the prompt without the model's template", _is(False), ADVISORY),
+        "context": FieldInfo("an earlier answer's token context", _is([]), ADVISORY),
+        "suffix": FieldInfo("the text after the answer (fill-in-the-middle)", _is(""),
+                            REFUSED),
+        **{f"options.{name}": FieldInfo(what, None, ADVISORY)
+           for name, what in OLLAMA_OPTIONS.items()},
     },
 }
 

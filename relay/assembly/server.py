@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import socket
 from functools import partial
 from typing import Any
 
@@ -44,8 +45,12 @@ from hypercorn.utils import wrap_app
 from relay.api import eager
 from relay.config import Config
 from relay.front.asgi import BODY_FOLLOWS
+from relay.vocab.profile import is_loopback_host
 
 from .relay import Relay, open_relay
+
+# layers: long because the server subclass and the listener loop (with its second,
+# Ollama listener) share hypercorn's machinery and are read together.
 
 __all__ = ["KEEP_ALIVE_TIMEOUT_S", "BoundedWriteTCPServer", "ListenError", "Served", "serve",
            "serve_http"]
@@ -221,9 +226,16 @@ class ListenError(OSError):
     machine's, the port needs privileges. ``str()`` is one line for a person: the address,
     why, and how to pick another; ``errno`` is the socket's."""
 
-    def __init__(self, host: str, port: int, exc: OSError) -> None:
+    def __init__(self, host: str, port: int, exc: OSError, *, ollama: bool = False) -> None:
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        if exc.errno == errno.EADDRINUSE:
+        if ollama:  # [server] ollama_port (SPEC A10)
+            why = (f"[server] ollama_port {port} is already in use (Ollama itself, most "
+                   f"likely, listens on {where}): stop Ollama, or set [server] ollama_port "
+                   "to another port, or to 0 (off); relay serves Ollama's API on its main "
+                   "port as well" if exc.errno == errno.EADDRINUSE else
+                   f"[server] ollama_port {port}: {exc.strerror or exc}; set another port, "
+                   "or 0 (off)")
+        elif exc.errno == errno.EADDRINUSE:
             why = (f"port {port} is already in use (another relay, or another program, "
                    f"listens on {where}). Pick another port: relay serve --port "
                    f"{port + 1 if 0 < port < 65535 else 8766}, or set [server] port in "
@@ -246,10 +258,12 @@ class ListenError(OSError):
 
 @attrs.frozen
 class Served:
-    """What `serve_http` (and `relay.serve`) report once listening."""
+    """What `serve_http` (and `relay.serve`) report once listening; ``ollama_url``: the
+    ``[server] ollama_port`` listener's, when it is on."""
 
     relay: Relay
     urls: list[str]
+    ollama_url: str | None = None
 
     @property
     def url(self) -> str:
@@ -343,37 +357,78 @@ async def serve_http(
         sockets = cfg.create_sockets()
     except OSError as exc:  # a port in use, an address not this machine's: one line (issue 15)
         raise ListenError(host, port, exc) from exc
-    listeners = []
-    urls = []
-    for sock in sockets.insecure_sockets:
-        sock.listen(cfg.backlog)
-        listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
-        name, bound_port = sock.getsockname()[:2]
-        urls.append(f"http://[{name}]:{bound_port}" if ":" in name
-                    else f"http://{name}:{bound_port}")
+    listeners, urls = _listen(sockets.insecure_sockets, cfg.backlog)
+    ollama, ollama_urls = _listen_ollama(server, cfg, sockets.insecure_sockets)
     context = WorkerContext(None)
     live: set[BoundedWriteTCPServer] = set()  # the connections being served
-    handler = partial(_connection, partial(
-        BoundedWriteTCPServer, app, cfg, context, ConnectionState({}),
-        write_timeout_s=server.write_timeout_s, live=live))
+
+    def handler(app: Any) -> Any:
+        return partial(_connection, partial(
+            BoundedWriteTCPServer, app, cfg, context, ConnectionState({}),
+            write_timeout_s=server.write_timeout_s, live=live))
     async with trio.open_nursery() as connections:
         async with trio.open_nursery() as accepting:
-            accepting.start_soon(partial(trio.serve_listeners, handler, listeners,
+            accepting.start_soon(partial(trio.serve_listeners, handler(app), listeners,
                                          handler_nursery=connections))
-            task_status.started(Served(relay, urls))
+            if ollama:
+                ollama_app = wrap_app(_writes_bounded(_on_ollama_port(relay.app)),
+                                      cfg.wsgi_max_body_size, "asgi")
+                accepting.start_soon(partial(trio.serve_listeners, handler(ollama_app),
+                                             ollama, handler_nursery=connections))
+            task_status.started(Served(relay, urls, ollama_urls[0] if ollama_urls else None))
             if shutdown is None:
                 await trio.sleep_forever()
             await shutdown.wait()
             logger.info("relay is draining: no new connections; in-flight requests get "
                         "%g s", server.drain_grace_s)
             accepting.cancel_scope.cancel()
-        for listener in listeners:
+        for listener in [*listeners, *ollama]:
             await listener.aclose()
         await context.terminated.set()  # busy connections close after their answer
         for connection in list(live):
             connection.terminate()  # idle keep-alive connections close now
         await relay.drain(server.drain_grace_s)
         connections.cancel_scope.cancel()
+
+
+def _listen(sockets: Any, backlog: int) -> tuple[list[trio.SocketListener], list[str]]:
+    listeners, urls = [], []
+    for sock in sockets:
+        sock.listen(backlog)
+        listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+        name, bound_port = sock.getsockname()[:2]
+        urls.append(f"http://[{name}]:{bound_port}" if ":" in name
+                    else f"http://{name}:{bound_port}")
+    return listeners, urls
+
+
+def _listen_ollama(server: Any, cfg: HyperConfig, main: Any
+                   ) -> tuple[list[trio.SocketListener], list[str]]:
+    """``[server] ollama_port`` (SPEC A10): a second port on loopback (the main host when
+    it is one, else 127.0.0.1), for the apps that look for Ollama at 127.0.0.1:11434."""
+    if not server.ollama_port:
+        return [], []
+    host = server.host if is_loopback_host(server.host) else "127.0.0.1"
+    # (bound here, not by hypercorn's create_sockets: that leaves a socket open when
+    # the port is taken)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), server.ollama_port))
+        sock.setblocking(False)
+    except OSError as exc:
+        for opened in (sock, *main):
+            opened.close()
+        raise ListenError(host, server.ollama_port, exc, ollama=True) from exc
+    return _listen([sock], cfg.backlog)
+
+
+def _on_ollama_port(app: Any) -> Any:
+    """Mark the requests that came to ``ollama_port``: there ``/`` is Ollama's."""
+    async def marked(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        scope["relay.ollama"] = True
+        await app(scope, receive, send)
+    return marked
 
 
 async def serve(

@@ -47,6 +47,8 @@ class _ProfileTable:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = attrs.field(default=8765, validator=[v.ge(0), v.le(65535)])
+    # SPEC A10: Ollama's API on a second loopback port as well (apps look for 11434); 0 = off
+    ollama_port: int = attrs.field(default=0, validator=[v.ge(0), v.le(65535)])
     records: str | None = None  # per-request JSON lines; relative to the config file
     records_max_bytes: int = attrs.field(default=10 * 1024 * 1024, validator=v.ge(1024))
     records_keep: int = attrs.field(default=3, validator=v.ge(0))

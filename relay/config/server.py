@@ -21,6 +21,10 @@ def _check_server(server: ServerConfig, env: Mapping[str, str], problems: list[s
     if server.token_env is not None and not env.get(server.token_env):
         problems.append(f"[server] token_env: the environment variable {server.token_env} "
                         "is not set (or empty); clients must send its value as a bearer token")
+    if server.ollama_port and server.ollama_port == server.port:
+        problems.append(f"[server] ollama_port: {server.ollama_port} is [server] port too; "
+                        "Ollama's API is served on the main port already: pick another "
+                        "port (11434, where Ollama's apps look), or 0 (off)")
     if not is_loopback_host(server.host):
         if server.token_env is None:
             problems.append(f"[server] token_env: required when host is {server.host!r} "

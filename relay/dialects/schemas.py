@@ -18,7 +18,8 @@ from __future__ import annotations
 from .typed import ANY, INT64, INT_MAX, Arr, Bool, Int, Num, Obj, OneOf, Schema, Str
 
 __all__ = ["CHAT_ROLES", "CHAT_SCHEMA", "EMBEDDINGS_SCHEMA", "ENCODINGS", "GEMINI_MODES",
-           "GEMINI_SCHEMA", "MESSAGES_SCHEMA", "RESPONSES_SCHEMA", "SCHEMAS"]
+           "GEMINI_SCHEMA", "MESSAGES_SCHEMA", "OLLAMA_CHAT_SCHEMA", "OLLAMA_EMBED_SCHEMA",
+           "OLLAMA_GENERATE_SCHEMA", "RESPONSES_SCHEMA", "SCHEMAS"]
 
 _NAME = Str(nonempty=True, nullable=False)
 _MODEL = Str(nonempty=True, nullable=False)
@@ -202,5 +203,45 @@ GEMINI_SCHEMA = Schema("gemini", {
     "cachedContent": Str(), "labels": Obj(rest=Str()), "serviceTier": Str(),
 }, required=("contents",))
 
+# --- Ollama's API (SPEC A10): /api/chat, /api/generate, /api/embed and /api/embeddings -----
+# Ollama's own ranges where relay reads a value (``num_predict`` -1 and -2: no limit);
+# the sampling ranges are OpenAI's, which every provider behind relay takes. Options
+# relay does not know pass the check and meet the field policy by name.
+_OPTIONS = Obj({
+    "temperature": Num(0, 2), "top_p": Num(0, 1), "top_k": Int(0, INT_MAX),
+    "seed": Int(-INT64 - 1, INT64), "num_predict": Int(-2, INT_MAX),
+    "stop": OneOf(Str(), Arr(Str())), "presence_penalty": Num(-2, 2),
+    "frequency_penalty": Num(-2, 2), "num_ctx": Int(1, INT_MAX)})
+_OLLAMA_FORMAT = OneOf(Str(), Obj())
+_THINK = OneOf(Bool(), Str(("low", "medium", "high")))
+_KEEP_ALIVE = OneOf(Str(), Num())
+_OLLAMA_COMMON = {
+    "model": _MODEL, "stream": Bool(), "format": _OLLAMA_FORMAT, "options": _OPTIONS,
+    "keep_alive": _KEEP_ALIVE, "think": _THINK, "fallbacks": Arr(Str(nonempty=True)),
+    "logprobs": Bool(), "top_logprobs": Int(0, 20)}
+_OTOOL_CALL = Obj({"id": Str(), "type": Str(), "function": Obj({
+    "index": Int(0, INT_MAX), "name": _NAME, "arguments": Obj()}, required=("name",))},
+    required=("function",))
+OLLAMA_CHAT_SCHEMA = Schema("ollama", {
+    **_OLLAMA_COMMON,
+    "messages": Arr(Obj({
+        "role": Str(("system", "user", "assistant", "tool"), nullable=False),
+        "content": Str(), "images": Arr(Str(nullable=False)), "thinking": Str(),
+        "tool_calls": Arr(_OTOOL_CALL), "tool_name": Str(), "tool_call_id": Str()},
+        required=("role",))),
+    "tools": Arr(Obj({"type": Str(), "function": Obj({
+        "name": _NAME, "description": Str(), "parameters": Obj()}, required=("name",))},
+        required=("function",))),
+}, required=("model",))
+OLLAMA_GENERATE_SCHEMA = Schema("ollama_generate", {
+    **_OLLAMA_COMMON, "prompt": Str(), "suffix": Str(), "system": Str(), "template": Str(),
+    "context": Arr(Int()), "raw": Bool(), "images": Arr(Str(nullable=False)),
+}, required=("model",))
+OLLAMA_EMBED_SCHEMA = Schema("ollama_embed", {
+    "model": _MODEL, "input": OneOf(Str(), Arr(Str(nullable=False))), "prompt": Str(),
+    "truncate": Bool(), "options": _OPTIONS, "keep_alive": _KEEP_ALIVE,
+    "dimensions": Int(1, INT_MAX)}, required=("model",))
+
 SCHEMAS: dict[str, Schema] = {s.name: s for s in (
-    CHAT_SCHEMA, MESSAGES_SCHEMA, RESPONSES_SCHEMA, EMBEDDINGS_SCHEMA, GEMINI_SCHEMA)}
+    CHAT_SCHEMA, MESSAGES_SCHEMA, RESPONSES_SCHEMA, EMBEDDINGS_SCHEMA, GEMINI_SCHEMA,
+    OLLAMA_CHAT_SCHEMA, OLLAMA_GENERATE_SCHEMA, OLLAMA_EMBED_SCHEMA)}

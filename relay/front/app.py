@@ -34,6 +34,7 @@ from .gemini import serve_gemini
 from .guard import Guard
 from .info import serve_info
 from .metrics import Metrics
+from .ollama.routes import serve_ollama
 from .paths import gemini_method, match, not_served
 from .responses import ResponsesChat, serve_stored
 
@@ -75,6 +76,11 @@ class Front:
 
     async def _route(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         served = match(scope["path"])
+        # Ollama's API (SPEC A10), and its "Ollama is running" at / on [server] ollama_port
+        if (served is not None and served.kind.startswith("ollama")) or (
+                scope["path"] == "/" and scope.get("relay.ollama")):
+            await serve_ollama(self.relay, scope, receive, send, body, self.guard._record)
+            return
         if served is None:
             await not_served(self.relay, scope, send)
             return

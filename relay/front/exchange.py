@@ -172,11 +172,13 @@ class Exchange:
         await send_error(self.send, error, self.dialect)
 
     async def start_stream(self) -> None:
-        """Send the SSE headers (once)."""
+        """Send the stream's headers (once)."""
         if not self.headers_sent:
+            # (SSE, or the dialect's own stream: Ollama's newline-delimited JSON)
+            kind = getattr(self.dialect, "stream_type", b"text/event-stream; charset=utf-8")
             await self.bounded_send({"type": "http.response.start", "status": 200,
                                      "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8"),
+                (b"content-type", kind),
                 (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
                 *self._ignored_header()]})
 

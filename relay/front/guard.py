@@ -191,7 +191,11 @@ class Guard:
         if scope["method"] in ("POST", "PUT", "PATCH"):
             length = header(scope, b"content-length")
             ctype = (header(scope, b"content-type") or "").split(";")[0].strip().lower()
-            if _has_body(scope) and not (ctype == "application/json" or ctype.endswith("+json")):
+            # (Ollama's API takes any type, as Ollama does: its documented calls are
+            # `curl -d`, form-typed; a browser's cross-origin post sends an Origin.)
+            ollama = scope["path"].startswith("/api/") and origin is None
+            if _has_body(scope) and not (ctype == "application/json" or ctype.endswith(
+                    "+json") or ollama):
                 return RelayError("invalid_request", f"request bodies must be "
                                   f"application/json, not {ctype or 'untyped'}", status=415)
             if length is not None and length.strip().isdigit() and int(length) > self.max_body:

@@ -11,10 +11,10 @@ routes, `relay.front.routes`). A request's path is matched once its percent-esca
 decoded (the ASGI ``path``), so ``/v1/models/fake%2Fecho`` is ``/v1/models/fake/echo``.
 
 A path no entry holds is answered here: 404 with the list, in Anthropic's shape under
-``/v1/messages``, Google's under ``/v1beta`` and OpenAI's elsewhere, logged in one INFO
-line and recorded with the path as the record's ``endpoint`` — a client with the wrong
-base URL (``/chat/completions``, ``/v1/v1/…``) or the wrong API (``/v1/completions``)
-learns what to use instead.
+``/v1/messages``, Google's under ``/v1beta``, Ollama's under ``/api/`` and OpenAI's
+elsewhere, logged in one INFO line and recorded with the path as the record's
+``endpoint`` — a client with the wrong base URL (``/chat/completions``, ``/v1/v1/…``) or
+the wrong API (``/v1/completions``) learns what to use instead.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import trio
 from relay.dialects.anthropic_messages import ANTHROPIC
 from relay.dialects.base import Dialect
 from relay.dialects.gemini_generate import GEMINI
+from relay.dialects.ollama import OLLAMA
 from relay.dialects.openai_chat import OPENAI
 from relay.engine.engine import Engine
 from relay.vocab.errors import RelayError
@@ -49,6 +50,7 @@ class Served:
     rule: str                  # werkzeug's syntax: "/v1/models/<path:model>"
     methods: tuple[str, ...]
     # chat | responses | stored | embeddings | count_tokens | fanout | gemini | info | quart
+    # | ollama (a relay route of Ollama's API) | ollama_info (its other paths)
     kind: str
     dialect: Dialect | None = None  # a relay route's: its bodies and its errors
     pattern: re.Pattern[str] = attrs.field(init=False, eq=False, repr=False)
@@ -72,7 +74,7 @@ class Served:
     @property
     def relay_route(self) -> bool:
         """Whether it is a relay route (each request of one ends in one record)."""
-        return self.kind not in ("info", "quart")
+        return self.kind not in ("info", "quart", "ollama_info")
 
 
 SERVED: tuple[Served, ...] = (
@@ -95,6 +97,16 @@ SERVED: tuple[Served, ...] = (
     Served("/metrics", ("GET",), "quart"),
     Served("/healthz", ("GET",), "info"),
     Served("/", ("GET",), "quart"),
+    # Ollama's API (SPEC A10): `relay.front.ollama` (and ``/`` on [server] ollama_port)
+    *(Served(f"/api/{name}", ("POST",), "ollama", OLLAMA)
+      for name in ("chat", "generate", "embed", "embeddings")),
+    *(Served(f"/api/{name}", ("GET",), "ollama_info", OLLAMA)
+      for name in ("tags", "ps", "version")),
+    Served("/api/show", ("POST",), "ollama_info", OLLAMA),
+    *(Served(f"/api/{name}", ("POST",), "ollama_info", OLLAMA)
+      for name in ("pull", "push", "create", "copy")),
+    Served("/api/delete", ("DELETE",), "ollama_info", OLLAMA),
+    Served("/api/blobs/<digest>", ("HEAD", "POST"), "ollama_info", OLLAMA),
 )
 
 
@@ -116,7 +128,7 @@ def match(path: str) -> Served | None:
 def dialect_for(path: str) -> Dialect:
     """The dialect of every answer on ``path``, errors included: a relay route's own;
     Anthropic's anywhere under ``/v1/messages``; Google's anywhere under ``/v1beta``;
-    OpenAI's elsewhere."""
+    Ollama's anywhere under ``/api/``; OpenAI's elsewhere."""
     entry = match(path)
     if entry is not None and entry.dialect is not None:
         return entry.dialect
@@ -124,6 +136,8 @@ def dialect_for(path: str) -> Dialect:
         return ANTHROPIC
     if path == "/v1beta" or path.startswith("/v1beta/") or gemini_method(path):
         return GEMINI
+    if path.startswith("/api/"):
+        return OLLAMA
     return OPENAI
 
 

@@ -56,6 +56,9 @@ from relay.dialects.schemas import (
     EMBEDDINGS_SCHEMA,
     GEMINI_SCHEMA,
     MESSAGES_SCHEMA,
+    OLLAMA_CHAT_SCHEMA,
+    OLLAMA_EMBED_SCHEMA,
+    OLLAMA_GENERATE_SCHEMA,
     RESPONSES_SCHEMA,
     SCHEMAS,
 )
@@ -91,6 +94,12 @@ FRONTS = [
     Front("gemini", "/v1beta/models/{model}:generateContent", {
         "contents": GEMINI_HI, "systemInstruction": {"parts": [{"text": "be brief"}]}},
         GEMINI_SCHEMA),
+    # Ollama's API (SPEC A10): answered whole, so that an answer is one JSON body
+    Front("ollama", "/api/chat", {"messages": HI, "stream": False}, OLLAMA_CHAT_SCHEMA),
+    Front("ollama_generate", "/api/generate", {"prompt": "hi", "stream": False},
+          OLLAMA_GENERATE_SCHEMA),
+    Front("ollama_embed", "/api/embed", {"input": "hi"}, OLLAMA_EMBED_SCHEMA, ("gemini",),
+          {"gemini": "gemb/text-embedding-test"}),
 ]
 # The fake Gemini API's embedding model, as a provider of its own.
 EMBEDDER = """
@@ -303,8 +312,13 @@ def error_of(resp: httpx.Response) -> dict[str, Any]:
     """The E1 fields in any front's shape: OpenAI's (``param`` and ``code`` in the
     error), Anthropic's (a ``relay`` object inside), Google's (``{"error": {"code": 400,
     "message", "status", "details", "relay": {"reason", "param", …}}}``: its ``code`` is
-    the HTTP status, so the reason and the path come from ``relay`` only)."""
+    the HTTP status, so the reason and the path come from ``relay`` only), Ollama's
+    (``{"error": "…", "relay": {…}}``)."""
     body = resp.json()
+    if isinstance(body, dict) and isinstance(body.get("error"), str):   # Ollama's shape
+        relay = body.get("relay") or {}
+        return {"param": relay.get("param"), "reason": relay.get("reason"),
+                "message": body["error"]}
     error = body.get("error", body) if isinstance(body, dict) else {}
     relay = error.get("relay") or {}
     if "status" in error:   # Google's shape

@@ -161,8 +161,8 @@ def test_one_table_routes_both_the_raw_routes_and_quart() -> None:
     assert set(_ANSWERS) == {e.rule for e in SERVED if e.kind == "info"}
     kinds = {e.kind for e in SERVED if e.relay_route}
     # Every relay route has its handler (stored responses are answered by serve_stored,
-    # Google's Gemini API by serve_gemini).
-    assert kinds == {*front_app._HANDLERS, "stored", "gemini"}
+    # Google's Gemini API by serve_gemini, Ollama's by serve_ollama).
+    assert kinds == {*front_app._HANDLERS, "stored", "gemini", "ollama"}
     assert match("/v1/models/a/b/c") is not None and match("/v1/models/") is None
     assert match("/relay/v1/providers/x/check") is not None
     assert match("/relay/v1/providers/x/y/check") is None
