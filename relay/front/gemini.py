@@ -40,7 +40,7 @@ from .asgi import Receive, Scope, Send, header, send_error, send_json
 from .chat import Chat, priority_of
 from .endpoints import CountTokens, _kinds_that, _plan
 from .exchange import Exchange
-from .info import find_model, refresh_models
+from .info import find_model, refresh_models, route_names
 from .paths import GEMINI_METHODS
 
 __all__ = ["GeminiChat", "GeminiCount", "serve_gemini"]
@@ -65,7 +65,7 @@ def _model_name(name: str) -> str:
 async def _get(relay: Engine, name: str) -> dict[str, Any] | RelayError:
     if not name:
         await refresh_models(relay)
-        models = [_model_entry(route, "relay") for route in relay.config.routes]
+        models = [_model_entry(route, "relay") for route in route_names(relay)]
         models += [_model_entry(ident, ident.partition("/")[0]) for ident in relay.model_ids()]
         return {"models": models}
     found = await find_model(relay, _model_name(name))
