@@ -251,3 +251,27 @@ async def test_a_pattern_falls_back_like_any_route(
     (rec,) = records(tmp_path)
     assert [(a["provider"], a["model"], a["ok"]) for a in rec["attempts"]] == [
         ("up", "claude-x", False), ("fake", "echo", True)]
+
+
+async def test_the_agents_own_names_answer_on_the_packaged_default(
+        nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient) -> None:
+    text = PACKAGED_DEFAULT.read_text().replace(
+        "[server]\n", '[server]\nrecords = "records.jsonl"\n', 1)
+    served = await start_relay(nursery, text, tmp_path)
+    url = served.url
+    r = await client.post(f"{url}/v1/messages", json={
+        "model": "claude-haiku-4-5-20251001", "max_tokens": 64,
+        "messages": [{"role": "user", "content": "hello from claude"}]})
+    assert r.status_code == 200 and r.json()["content"][0]["text"] == "hello from claude"
+    r = await client.post(f"{url}/v1/responses", json={"model": "gpt-6.2-sol",
+                                                        "input": "hello from codex"})
+    assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"] == (
+        "hello from codex")
+    r = await client.post(f"{url}/v1beta/models/gemini-3.5-flash-lite:generateContent",
+                          json={"contents": [{"parts": [{"text": "hello from gemini"}]}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["candidates"][0]["content"]["parts"][0]["text"] == "hello from gemini"
+    await wait_for(lambda: len(records(tmp_path)) == 3)
+    assert sorted((rec["route"], rec["provider"], rec["model"])
+                  for rec in records(tmp_path)) == [
+        ("claude-*", "fake", "echo"), ("gemini-*", "fake", "echo"), ("gpt-*", "fake", "echo")]
