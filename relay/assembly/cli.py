@@ -1,7 +1,7 @@
 """The ``relay`` command line (SPEC 9).
 
     relay serve [--config FILE] [--host H] [--port N] [--env-file FILE] [--quiet]
-    relay config check [--config FILE]
+    relay config check [--config FILE] [--model NAME …]
     relay status [--url URL] [--config FILE]
     relay check [PROVIDER…] [--url URL] [--config FILE]
     relay service install|uninstall --systemd|--launchd [--config FILE] [--print]
@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", required=True)
     check = config_sub.add_parser("check", help="validate and print the resolved config")
     check.add_argument("--config")
+    check.add_argument("--model", action="append", default=[], metavar="NAME",
+                       help="also show where a request for this model name goes "
+                       "(repeatable)")
     status = sub.add_parser("status", help="the lanes of a running daemon")
     checks = sub.add_parser("check", help="run connection checks on a running daemon")
     checks.add_argument("providers", nargs="*", help="provider names (default: all)")
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         config = _load(args.config)
         if config is None:
             return 2
-        print(describe_config(config))
+        print(describe_config(config, tuple(args.model)))
         url = config.coordination_url()
         if config.shared_providers and url:  # (SPEC O6: its rights, its eviction policy)
             for line in trio.run(functools.partial(

@@ -1,17 +1,75 @@
-"""What `relay config check` and `relay status` print: a config's resolved providers and
-token budgets, and the records line of a running daemon's status."""
+"""What `relay config check` and `relay status` print: a config's resolved providers,
+token budgets and routes, where the coding agents' own model names (and any the command
+line names) resolve to, and the records line of a running daemon's status."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from relay.adapters import ADAPTERS
-from relay.config import Config
+from relay.config import Config, RouteConfig, best_pattern
 
-__all__ = ["describe_config", "describe_records"]
+__all__ = ["AGENT_MODELS", "describe_config", "describe_records", "resolution"]
+
+# The model names the coding agents send by default, seen on the wire from the versions
+# .ci/install-clis.sh pins (claude-code 2.1.332, codex 0.171.0, gemini-cli 0.61.0; Claude
+# Code's dated ids are its aliases' own): `relay config check` shows where each goes
+# (SPEC F9).
+AGENT_MODELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Claude Code", ("claude-opus-5-5", "claude-sonnet-4-5-20250929",
+                     "claude-haiku-4-5-20251001")),
+    ("Codex", ("gpt-6.2-sol",)),
+    ("Gemini CLI", ("gemini-3.1-pro-preview", "gemini-3.5-flash-lite")),
+)
 
 
-def describe_config(config: Config) -> str:
+def _targets(route: RouteConfig) -> str:
+    said = route.primary
+    if route.fallbacks:
+        said += ", then " + ", then ".join(route.fallbacks)
+    return said
+
+
+def _route_line(route: RouteConfig) -> str:
+    limits = [f"{key} {getattr(route, key):g} s" for key in (
+        "primary_timeout_s", "fallback_timeout_s", "budget_s", "first_token_timeout_s",
+        "stall_timeout_s") if getattr(route, key) is not None]
+    if route.retries:
+        limits.append(f"retries {route.retries}")
+    name = f'"{route.name}" (pattern)' if route.is_pattern else route.name
+    return f"  {name}: {_targets(route)}" + (f"; {', '.join(limits)}" if limits else "")
+
+
+def resolution(config: Config, name: str) -> str:
+    """Where a request for model ``name`` goes under ``config``, as relay resolves it
+    (`relay.engine.plan.make_plan`), from the file alone: a provider's discovered models
+    are not known here (one that lists ``name`` would take a bare name first)."""
+    route = config.routes.get(name)
+    if route is not None and not route.is_pattern:
+        return f"route {name}: {_targets(route)}"
+    head, slash, rest = name.partition("/")
+    if slash:
+        provider = config.providers.get(head)
+        if provider is not None:
+            if provider.models_configured and rest not in provider.models:
+                return (f"404 unknown_model: provider {head!r} lists only "
+                        f"{', '.join(provider.models)}")
+            return f"provider {head}, model {rest} (no route)"
+    else:
+        owners = [p.name for p in config.providers.values() if name in p.models]
+        if len(owners) > 1:
+            return f"404 unknown_model: listed by several providers ({', '.join(owners)})"
+        if owners:
+            return f"provider {owners[0]}, model {name} (no route)"
+    found = best_pattern(config.routes, name)
+    if found is not None:
+        return f'route "{found.name}": {_targets(found)}'
+    return "404 unknown_model: no route, provider or route pattern takes it"
+
+
+def describe_config(config: Config, names: tuple[str, ...] = ()) -> str:
+    """The config as `relay config check` prints it; ``names``: model names to resolve
+    beside the agents' own (`AGENT_MODELS`)."""
     server = config.server
     lines = [f"config: {config.source}",
              f"server: {server.host}:{server.port}  heartbeat {server.heartbeat_s:g} s, "
@@ -39,6 +97,14 @@ def describe_config(config: Config) -> str:
         lines.append(f"    token budgets: {_budgets_line(p)}")
     if not config.providers:
         lines.append("  (none)")
+    lines.append("routes:")
+    lines += [_route_line(route) for route in config.routes.values()] or ["  (none)"]
+    lines.append("model names, resolved (an exact route, PROVIDER/MODEL or a listed model "
+                 "first, then the pattern with the longest literal prefix):")
+    asked = [(name, "asked") for name in names]
+    asked += [(name, agent) for agent, models in AGENT_MODELS for name in models]
+    for name, who in asked:
+        lines.append(f"  {name} ({who}) -> {resolution(config, name)}")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ from .load import (
     Registry,
     RouteConfig,
     ServerConfig,
+    best_pattern,
     check_target,
     default_config_path,
     load_config,
@@ -15,5 +16,5 @@ from .load import (
 )
 
 __all__ = ["COMMON_PROVIDER_KEYS", "PACKAGED_DEFAULT", "Config", "Registry", "RouteConfig",
-           "ServerConfig", "check_target", "default_config_path", "load_config",
+           "ServerConfig", "best_pattern", "check_target", "default_config_path", "load_config",
            "parse_config"]

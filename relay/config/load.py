@@ -32,7 +32,7 @@ from relay.vocab.profile import (
     default_state_dir,
 )
 
-from .routes import check_target, load_routes
+from .routes import best_pattern, check_target, load_routes
 from .schema import COMMON_PROVIDER_KEYS, Config, RouteConfig, ServerConfig, _ProfileTable
 from .server import _check_coordination, _check_server, check_shared
 from .structure import (
@@ -53,6 +53,7 @@ __all__ = [
     "Registry",
     "RouteConfig",
     "ServerConfig",
+    "best_pattern",
     "check_target",
     "default_config_path",
     "load_config",

@@ -105,6 +105,11 @@ class RouteConfig:
     def targets(self) -> tuple[str, ...]:
         return (self.primary, *self.fallbacks)
 
+    @property
+    def is_pattern(self) -> bool:
+        """A pattern's name (SPEC F9: ``claude-*``); see `relay.config.routes`."""
+        return "*" in self.name
+
     def total_budget_s(self) -> float | None:
         """``budget_s``, else the sum of every attempt's timeout (None: unbounded)."""
         if self.budget_s is not None:

@@ -36,30 +36,46 @@ params (named back to the client by their Gemini names); ``responseMimeType``
 → ``logprobs``; ``candidateCount`` above 1 is refused (one answer per request).
 =======================================  ==================================================
 
+Field names are taken in lowerCamelCase and snake_case alike, as Google's API takes
+them (proto3 JSON: ``parameters_json_schema`` is ``parametersJsonSchema``), and read in
+lowerCamelCase from then on; a name Google's API does not have is a 400 worded as
+Google's (``Invalid JSON payload received. Unknown name "bogusField": Cannot find
+field.``), never dropped (`relay.dialects.gemini_structure.known_names`).
+
 Everything else is the dialect's own (SPEC A1a; `relay.api.fields.OWN_FIELDS`):
 ``generationConfig.thinkingConfig``, ``safetySettings``, thought parts and signatures
-passed back, ``cachedContent``, Google's built-in tools (``googleSearch``, …), fields
-relay does not know — they go in the call's `relay.vocab.events.Inbound` with the request
-itself, so the ``gemini`` adapter gets the request unchanged (native) and every other
-provider has them dropped and reported, or refused, by its column.
+passed back, ``cachedContent``, Google's built-in tools (``googleSearch``, …) — they go in
+the call's `relay.vocab.events.Inbound` with the request itself (names in
+lowerCamelCase), so the ``gemini`` adapter gets the request unchanged (native) and every
+other provider has them dropped and reported, or refused, by its column.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from relay.dialects.base import ChatInput
 from relay.dialects.openai_chat import load_json
+from relay.dialects.openai_embeddings import EmbeddingsInput
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Inbound
 
 from .gemini_render import GeminiRender
-from .gemini_structure import GENERATION, MODES, GeminiRequest, openapi_schema, structure
-from .schemas import GEMINI_SCHEMA
-from .typed import check
+from .gemini_structure import (
+    GENERATION,
+    MODES,
+    GeminiRequest,
+    known_names,
+    openapi_schema,
+    structure,
+)
+from .schemas import GEMINI_SCHEMA, GPARTS
+from .typed import INT_MAX, Arr, Int, Obj, Schema, Str, check
 
-__all__ = ["GEMINI", "GEMINI_SDK", "GeminiDialect", "parse_gemini_body"]
+__all__ = ["GEMINI", "GEMINI_SDK", "GeminiDialect", "parse_gemini_body",
+           "parse_gemini_embed", "render_gemini_embeddings"]
 
 # --- translation: GeminiRequest → relay ----------------------------------------------------
 
@@ -174,6 +190,7 @@ def parse_gemini_body(body: bytes, model: str, *, stream: bool) -> ChatInput:
     data = load_json(body)
     if not isinstance(data, dict):
         raise RelayError("invalid_request", "the body must be a JSON object")
+    data = known_names(data, GEMINI_SCHEMA)   # both spellings; no unknown name
     check(data, GEMINI_SCHEMA)
     request = structure(data)
     messages = _messages(request)
@@ -187,6 +204,83 @@ def parse_gemini_body(body: bytes, model: str, *, stream: bool) -> ChatInput:
                       turns=len(messages))
     return ChatInput(model=model, messages=messages, stream=stream, params=params,
                      fallbacks=request.fallbacks, include_usage=True, inbound=inbound)
+
+
+# --- embeddings: ``:embedContent`` and ``:batchEmbedContents`` ---------------------------
+
+_EMBED = Obj({"model": Str(), "content": Obj({"role": Str(), "parts": GPARTS},
+                                             required=("parts",), nullable=False),
+              "taskType": Str(), "title": Str(), "outputDimensionality": Int(1, INT_MAX)},
+             required=("content",))
+_EMBED_ONE = Schema("gemini embedContent", _EMBED.fields, required=("content",))
+_EMBED_BATCH = Schema("gemini batchEmbedContents", {
+    "requests": Arr(_EMBED, min_len=1, nullable=False)}, required=("requests",))
+
+
+def parse_gemini_embed(body: bytes, model: str, *, batch: bool) -> EmbeddingsInput:
+    """``:embedContent`` (one ``content``) or ``:batchEmbedContents`` (``requests``, each
+    a content) for ``model`` (from the path) → relay's embeddings request: one text per
+    content (its text parts joined by newlines); ``outputDimensionality`` →
+    ``dimensions``.
+
+    Raises:
+        RelayError: ``invalid_request`` naming the field (Google's unknown names too);
+            ``unsupported`` for ``taskType``/``title`` (relay passes neither: vectors
+            for another task would be answered as if for this one) and non-text parts.
+    """
+    data = load_json(body)
+    if not isinstance(data, dict):
+        raise RelayError("invalid_request", "the body must be a JSON object")
+    schema = _EMBED_BATCH if batch else _EMBED_ONE
+    data = known_names(data, schema)
+    check(data, schema)
+    requests = data["requests"] if batch else [data]
+    where = [f"requests[{i}]" for i in range(len(requests))] if batch else [""]
+    inputs: list[str] = []
+    dims: set[int | None] = set()
+    for path, request in zip(where, requests, strict=True):
+        at = f"{path}." if path else ""
+        named = (request.get("model") or model).removeprefix("models/")
+        if named != model:
+            raise RelayError("invalid_request", f"'{at}model' {request['model']!r} is not "
+                             f"the model of the path ({model!r})", param=f"{at}model")
+        for key in ("taskType", "title"):
+            if request.get(key) is not None:
+                raise RelayError("unsupported", f"'{at}{key}': relay does not pass an "
+                                 f"embedding {key} to providers; leave it out",
+                                 param=f"{at}{key}")
+        texts = []
+        for j, part in enumerate(request["content"]["parts"]):
+            if not isinstance(part.get("text"), str):
+                raise RelayError("unsupported", f"'{at}content.parts[{j}]': relay embeds "
+                                 "text parts only", param=f"{at}content.parts[{j}]")
+            texts.append(part["text"])
+        inputs.append("\n".join(texts))
+        dims.add(request.get("outputDimensionality"))
+    if len(dims) > 1:
+        raise RelayError("unsupported", "'requests[].outputDimensionality' differs between "
+                         "requests: relay asks for one size per batch; send one batch per "
+                         "size", param="requests")
+    size = dims.pop()
+    return EmbeddingsInput(model=model, inputs=inputs, encoding_format="float",
+                           params={} if size is None else {"dimensions": size})
+
+
+def render_gemini_embeddings(vectors: list[list[float]], *, batch: bool,
+                             provider: str) -> dict[str, Any]:
+    """``{"embeddings": [{"values": […]}, …]}`` (batch) or ``{"embedding": {…}}``.
+
+    Raises:
+        RelayError: ``bad_upstream_response`` for a number that is not finite.
+    """
+    for index, vector in enumerate(vectors):
+        if not all(map(math.isfinite, vector)):
+            raise RelayError("bad_upstream_response", f"provider {provider!r} sent an "
+                             f"embedding with a number that is not finite (vector {index})",
+                             provider=provider)
+    if batch:
+        return {"embeddings": [{"values": v} for v in vectors]}
+    return {"embedding": {"values": vectors[0]}}
 
 
 class GeminiDialect(GeminiRender):

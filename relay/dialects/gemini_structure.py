@@ -9,14 +9,17 @@ relay's own terms.
 
 from __future__ import annotations
 
+import re
 from typing import Any, NoReturn
 
 import attrs
 
 from relay.vocab.errors import RelayError
 
+from .typed import Arr, Obj, OneOf, Schema, Spec
+
 __all__ = ["GENERATION", "MODES", "Content", "Declaration", "GeminiRequest", "Part",
-           "openapi_schema", "structure"]
+           "known_names", "openapi_schema", "structure"]
 
 # The top-level fields this dialect reads; every other one is its own (kept as sent).
 _READ = {"contents", "systemInstruction", "tools", "toolConfig", "generationConfig",
@@ -35,6 +38,71 @@ _OPENAPI_TYPES = {"STRING", "NUMBER", "INTEGER", "BOOLEAN", "ARRAY", "OBJECT", "
                   "TYPE_UNSPECIFIED"}
 # Google's OpenAPI-subset keys that JSON Schema does not have (dropped on the way).
 _OPENAPI_ONLY = {"nullable", "propertyOrdering"}
+
+
+# --- field names: both spellings, and no unknown one -------------------------------------
+
+_SNAKE = re.compile(r"_([a-z0-9])")
+
+
+def _camel(key: str) -> str:
+    """``parameters_json_schema`` → ``parametersJsonSchema`` (proto3 JSON's rule)."""
+    return _SNAKE.sub(lambda m: m[1].upper(), key)
+
+
+def _closed(spec: Spec) -> Obj | None:
+    """The object spec whose keys are a closed list (Google's message types), if any."""
+    if isinstance(spec, OneOf):
+        spec = next((s for s in spec.specs if isinstance(s, Obj)), spec)
+    return spec if isinstance(spec, Obj) and spec.fields else None
+
+
+def known_names(data: dict[str, Any], schema: Schema) -> dict[str, Any]:
+    """``data`` with every field name in Google's lowerCamelCase, as its API takes them
+    (proto3 JSON: ``parameters_json_schema`` is ``parametersJsonSchema``; SPEC A9), in
+    every message the schema lists — never inside a free-form value (``args``, a JSON
+    Schema, ``labels``).
+
+    Raises:
+        RelayError: ``invalid_request``, as Google words it, naming every unknown field
+            (``Unknown name "bogusField"``) and every field sent in both spellings.
+    """
+    unknown: list[tuple[str, str]] = []   # (name as sent, the message's path)
+
+    def walk(value: Any, spec: Spec, path: str) -> Any:
+        if isinstance(spec, Arr) and isinstance(value, list):
+            return [walk(v, spec.item, f"{path}[{i}]") for i, v in enumerate(value)]
+        closed = _closed(spec)
+        if closed is None or not isinstance(value, dict):
+            return value
+        return obj(value, closed.fields, path)
+
+    def obj(value: dict[str, Any], fields: dict[str, Spec], path: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, entry in value.items():
+            name = key if key in fields else _camel(key)
+            if name not in fields:
+                unknown.append((key, path))
+                continue
+            if name in out:
+                raise RelayError("invalid_request", "Invalid JSON payload received. "
+                                 f"'{_join(path, name)}' is sent in both spellings "
+                                 "(lowerCamelCase and snake_case); send one",
+                                 param=_join(path, name))
+            out[name] = walk(entry, fields[name], _join(path, name))
+        return out
+
+    normal = obj(data, schema.fields, "")
+    if unknown:
+        said = "\n".join(f'Unknown name "{key}"' + (f" at '{path}'" if path else "")
+                         + ": Cannot find field." for key, path in unknown)
+        raise RelayError("invalid_request", f"Invalid JSON payload received. {said}",
+                         param=", ".join(_join(path, key) for key, path in unknown))
+    return normal
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
 
 
 def _bad(path: str, what: str) -> NoReturn:

@@ -18,8 +18,8 @@ from __future__ import annotations
 from .typed import ANY, INT64, INT_MAX, Arr, Bool, Int, Num, Obj, OneOf, Schema, Str
 
 __all__ = ["CHAT_ROLES", "CHAT_SCHEMA", "EMBEDDINGS_SCHEMA", "ENCODINGS", "GEMINI_MODES",
-           "GEMINI_SCHEMA", "MESSAGES_SCHEMA", "OLLAMA_CHAT_SCHEMA", "OLLAMA_EMBED_SCHEMA",
-           "OLLAMA_GENERATE_SCHEMA", "RESPONSES_SCHEMA", "SCHEMAS"]
+           "GEMINI_SCHEMA", "GPARTS", "MESSAGES_SCHEMA", "OLLAMA_CHAT_SCHEMA",
+           "OLLAMA_EMBED_SCHEMA", "OLLAMA_GENERATE_SCHEMA", "RESPONSES_SCHEMA", "SCHEMAS"]
 
 _NAME = Str(nonempty=True, nullable=False)
 _MODEL = Str(nonempty=True, nullable=False)
@@ -168,7 +168,7 @@ _GPART = Obj({
     "executableCode": Obj({"language": Str(), "code": Str()}),
     "codeExecutionResult": Obj({"outcome": Str(), "output": Str()}),
     "videoMetadata": Obj(), "partMetadata": Obj(), "mediaResolution": OneOf(Str(), Obj())})
-_GPARTS = Arr(_GPART, nullable=False)
+_GPARTS = GPARTS = Arr(_GPART, nullable=False)
 _DECLARATION = Obj({"name": _NAME, "description": Str(), "behavior": Str(),
                     "parameters": Obj(), "parametersJsonSchema": Obj(),
                     "response": Obj(), "responseJsonSchema": Obj()}, required=("name",))

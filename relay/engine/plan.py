@@ -7,13 +7,13 @@ from typing import Any
 
 import attrs
 
-from relay.config import RouteConfig, check_target
+from relay.config import RouteConfig, best_pattern, check_target
 from relay.vocab.errors import RelayError
 
 from .engine import Engine
 from .providers import Provider
 
-__all__ = ["FALLBACK_ON", "RETRY_ON", "Plan", "Target", "make_plan"]
+__all__ = ["FALLBACK_ON", "RETRY_ON", "Plan", "Target", "make_plan", "pattern_for"]
 
 # F2: the failures a different target may fix.
 FALLBACK_ON = frozenset({
@@ -81,20 +81,53 @@ class Plan:
                 f"if {target.name} pauses this long between tokens")
 
 
+def pattern_for(relay: Engine, model: str) -> RouteConfig | None:
+    """The pattern route (SPEC F9) that takes ``model``, a name no exact route or
+    provider resolves, its targets' ``{model}`` filled in; None if none does. A name
+    that names a provider (``PROVIDER/…``), or a bare name some provider lists, is no
+    pattern's: the provider's 404, or the choice between providers, is the client's."""
+    head, slash, _ = model.partition("/")
+    if head in relay.providers if slash else any(
+            model in p.models for p in relay.providers.values()):
+        return None
+    return best_pattern(relay.config.routes, model)
+
+
+def _resolve(relay: Engine, model: str) -> tuple[RouteConfig | None, tuple[Provider, str]]:
+    """``model`` as an exact name (``PROVIDER/MODEL``, a bare model), else through the
+    pattern route it matches (SPEC F9: exact names first), else the exact name's
+    ``unknown_model`` (naming what is known): never another model in silence."""
+    try:
+        return None, relay.resolve(model)
+    except RelayError as exc:
+        unknown = exc
+    route = pattern_for(relay, model)
+    if route is None:
+        raise unknown
+    try:
+        return route, relay.resolve(route.primary)
+    except RelayError as exc:
+        raise RelayError(
+            "unknown_model", f"model {model!r} matches the route pattern {route.name!r}, "
+            f"whose target {route.primary!r} is not known: {exc.message}", param="model",
+            action=exc.action) from None
+
+
 def make_plan(relay: Engine, model: str, body_fallbacks: Any) -> Plan:
-    """Resolve ``model`` (a route, ``provider/model`` or a bare model) and the body's own
-    ``fallbacks`` (which replace the route's; ``[]`` means none).
+    """Resolve ``model`` (a route, ``provider/model``, a bare model, or a name a route
+    pattern matches) and the body's own ``fallbacks`` (which replace the route's; ``[]``
+    means none).
 
     Raises:
         RelayError: ``unknown_model`` or ``invalid_request``.
     """
     route = relay.config.routes.get(model)
-    if route is not None:
+    if route is not None and not route.is_pattern:
         provider, name = relay.resolve(route.primary)
         fallbacks = list(route.fallbacks)
     else:
-        provider, name = relay.resolve(model)
-        fallbacks = []
+        route, (provider, name) = _resolve(relay, model)
+        fallbacks = list(route.fallbacks) if route is not None else []
     if body_fallbacks is not None:
         if not isinstance(body_fallbacks, list) or not all(
                 isinstance(f, str) for f in body_fallbacks):

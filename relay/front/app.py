@@ -35,7 +35,7 @@ from .guard import Guard
 from .info import serve_info
 from .metrics import Metrics
 from .ollama.routes import serve_ollama
-from .paths import gemini_method, match, not_served
+from .paths import gemini_method, google_client, match, not_served
 from .responses import ResponsesChat, serve_stored
 
 __all__ = ["Front"]
@@ -87,10 +87,12 @@ class Front:
         if served.kind == "stored":  # stored responses (SPEC A7)
             await serve_stored(self.relay, scope, send)
             return
-        if served.kind == "info" and not gemini_method(scope["path"]):
+        if served.kind == "info" and not gemini_method(scope["path"]) and not (
+                scope["path"].startswith("/v1/models") and google_client(scope)):
             await serve_info(self.relay, scope, send, served)
             return
         # Google's Gemini API (SPEC A9); Google's newer SDKs use /v1/models/{model}:{method}
+        # and list the models at GET /v1/models, in Google's shape to a Google client.
         if served.kind in ("gemini", "info"):
             await serve_gemini(self.relay, scope, receive, send, body, self.guard._record)
             return

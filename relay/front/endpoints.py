@@ -9,8 +9,10 @@ the route's dialect, or its error (OpenAI's shape for embeddings, Anthropic's fo
 counts).
 
 The front asks the adapter's `Capabilities` before it calls anything: a provider that
-makes no embeddings, or has no token counter of its own, is a 400 ``unsupported`` that
-names it and the adapter kinds that can. relay never estimates a token count.
+makes no embeddings is a 400 ``unsupported`` that names it and the adapter kinds that
+can. A token count is answered on every provider (SPEC A6, A9): by the provider's own
+counter where it has one, else by relay's local estimate (`relay.capacity.estimate`, the
+one the token budgets use; no call, no lane) with ``x-relay-estimated: true``.
 """
 
 from __future__ import annotations
@@ -21,10 +23,15 @@ import attrs
 import trio
 
 from relay.api.adapter import EmbedCall, Embeddings
+from relay.capacity.estimate import estimate_input
 from relay.dialects.anthropic_messages import parse_messages_body
 from relay.dialects.base import dumps
 from relay.dialects.openai_chat import load_request
-from relay.dialects.openai_embeddings import parse_embeddings_body, render_embeddings
+from relay.dialects.openai_embeddings import (
+    EmbeddingsInput,
+    parse_embeddings_body,
+    render_embeddings,
+)
 from relay.engine.engine import Engine
 from relay.engine.plan import Plan, Target, make_plan
 from relay.engine.stops import RequestStop
@@ -74,7 +81,7 @@ class Embed:
 
     def prepare(self, exchange: Exchange, body: bytes) -> None:
         self.priority = priority_of(exchange)
-        request = parse_embeddings_body(body)
+        request = self.parse(body)
         self.plan, target = _plan(exchange, request.model)
         provider = target.provider
         adapter = provider.adapter
@@ -90,6 +97,10 @@ class Embed:
         self.encoding_format = request.encoding_format
         adapter.check_embed(self.call)  # a plain 400, before anything is queued
 
+    def parse(self, body: bytes) -> EmbeddingsInput:
+        """The request in the route's dialect (OpenAI's here)."""
+        return parse_embeddings_body(body)
+
     async def run(self, exchange: Exchange, nursery: trio.Nursery, stop: RequestStop
                   ) -> None:
         assert self.plan is not None and self.call is not None
@@ -100,10 +111,7 @@ class Embed:
             result: Embeddings = await run_whole(
                 self.plan, exchange.record, stop, self.priority,
                 lambda adapter: adapter.embed(call))
-            body = render_embeddings(result.vectors, model=target.name,
-                                     encoding_format=self.encoding_format,
-                                     prompt_tokens=result.prompt_tokens,
-                                     provider=target.provider.name)
+            body = self.render(result, target)
         except RelayError as exc:
             failed = untraced(exc)  # kept as data: a traceback would hold this frame
         if failed is not None:
@@ -117,18 +125,30 @@ class Embed:
                    if result.ignored else [])
         await exchange.send_json(200, body, headers)
 
+    def render(self, result: Embeddings, target: Target) -> Any:
+        """The answer in the route's dialect (OpenAI's here)."""
+        return render_embeddings(result.vectors, model=target.name,
+                                 encoding_format=self.encoding_format,
+                                 prompt_tokens=result.prompt_tokens,
+                                 provider=target.provider.name)
+
     def settle(self, exchange: Exchange, stop: RequestStop) -> bool:
         return _settle(exchange, stop)
+
+
+ESTIMATED = [(b"x-relay-estimated", b"true")]
 
 
 @attrs.define(eq=False)
 class CountTokens:
     """``POST /v1/messages/count_tokens``: the provider's own counter, outside the lane
-    (a metadata call: see `relay.engine.unary`), or a 400 saying there is none."""
+    (a metadata call: see `relay.engine.unary`), or relay's estimate where it has none
+    (``estimate``: the count, marked ``x-relay-estimated: true``)."""
 
     plan: Plan | None = None
     call: Call | None = None
     priority: str = "normal"
+    estimate: int | None = None
 
     def prepare(self, exchange: Exchange, body: bytes) -> None:
         self.priority = priority_of(exchange)
@@ -142,23 +162,23 @@ class CountTokens:
         self.plan, target = _plan(exchange, chat.model)
         provider = target.provider
         adapter = provider.adapter
-        if not adapter.capabilities.count_tokens:
-            raise RelayError(
-                "unsupported", f"provider {provider.name!r} ({provider.config.adapter}) has "
-                "no token counter of its own, and relay does not estimate token counts; "
-                f"the adapter kinds that count: {_kinds_that(exchange.relay, 'count_tokens')}",
-                provider=provider.name, param="model")
         params = {k: v for k, v in chat.params.items() if k != "stream"}
         if lent:
             params.pop("max_tokens", None)
         self.call = Call(request_id=exchange.record.id, provider=provider.name,
                          model=target.model, messages=chat.messages, stream=False,
                          params=params)
+        if not adapter.capabilities.count_tokens:
+            self.estimate = estimate_input(self.call)  # the request as the client wrote it
+            return
         adapter.check_call(self.call)  # a plain 400, before anything is sent
 
     async def run(self, exchange: Exchange, nursery: trio.Nursery, stop: RequestStop
                   ) -> None:
         assert self.plan is not None and self.call is not None
+        if self.estimate is not None:   # no counter of its own: relay's estimate (L12)
+            await exchange.send_json(200, self.answer(self.estimate), ESTIMATED)
+            return
         call = self.call
         failed: RelayError | None = None
         try:

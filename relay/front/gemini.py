@@ -7,11 +7,15 @@
 ``GET /v1beta/models/{model}``                            one, or 404 ``NOT_FOUND``
 ``POST …/{model}:generateContent``                        a chat request, answered whole
 ``POST …/{model}:streamGenerateContent?alt=sse``          the same, streamed (SSE)
-``POST …/{model}:countTokens``                            the provider's own counter
+``POST …/{model}:countTokens``                            its counter, else relay's estimate
+``POST …/{model}:embedContent``, ``:batchEmbedContents``  embeddings, through the lane
 ========================================================  ================================
 
-The same methods under Google's v1, ``POST /v1/models/{model}:{method}`` (the default
-of its newer SDKs), are served here too; ``GET /v1/models`` stays OpenAI's list.
+The same paths under Google's v1, ``/v1/models/{model}:{method}`` (the default API
+version of its SDKs), are served here too, and so are ``GET /v1/models`` and
+``/v1/models/{model}`` when a Google client asks (`relay.front.paths.google_client`: its
+key in ``x-goog-api-key`` or ``?key=``, or ``x-goog-api-client``); to anyone else they are
+OpenAI's (`relay.front.info`).
 
 ``:streamGenerateContent`` without ``?alt=sse`` — where Google streams one JSON array —
 is refused with a 400 that says to add it (every Google SDK and the Gemini CLI send it).
@@ -29,21 +33,31 @@ from typing import Any
 
 import attrs
 
+from relay.api.adapter import Embeddings
+from relay.capacity.estimate import estimate_input
 from relay.dialects.base import ChatInput, dumps
-from relay.dialects.gemini_generate import GEMINI, GEMINI_SDK, parse_gemini_body
+from relay.dialects.gemini_generate import (
+    GEMINI,
+    GEMINI_SDK,
+    parse_gemini_body,
+    parse_gemini_embed,
+    render_gemini_embeddings,
+)
 from relay.dialects.openai_chat import load_json
+from relay.dialects.openai_embeddings import EmbeddingsInput
 from relay.engine.engine import Engine
+from relay.engine.plan import Target
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call
 
 from .asgi import Receive, Scope, Send, header, send_error, send_json
 from .chat import Chat, priority_of
-from .endpoints import CountTokens, _kinds_that, _plan
+from .endpoints import CountTokens, Embed, _plan
 from .exchange import Exchange
-from .info import find_model, refresh_models
+from .info import find_model, refresh_models, route_names
 from .paths import GEMINI_METHODS
 
-__all__ = ["GeminiChat", "GeminiCount", "serve_gemini"]
+__all__ = ["GeminiChat", "GeminiCount", "GeminiEmbed", "serve_gemini"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +79,7 @@ def _model_name(name: str) -> str:
 async def _get(relay: Engine, name: str) -> dict[str, Any] | RelayError:
     if not name:
         await refresh_models(relay)
-        models = [_model_entry(route, "relay") for route in relay.config.routes]
+        models = [_model_entry(route, "relay") for route in route_names(relay)]
         models += [_model_entry(ident, ident.partition("/")[0]) for ident in relay.model_ids()]
         return {"models": models}
     found = await find_model(relay, _model_name(name))
@@ -109,9 +123,13 @@ async def serve_gemini(relay: Engine, scope: Scope, receive: Receive, send: Send
         refused(scope, error)
         await send_error(send, error, GEMINI)
         return
-    handler: Any = (GeminiCount(model=_model_name(model)) if verb == "countTokens"
-                    else GeminiChat(model=_model_name(model),
-                                    stream=verb == "streamGenerateContent"))
+    handler: Any
+    if verb == "countTokens":
+        handler = GeminiCount(model=_model_name(model))
+    elif verb in ("embedContent", "batchEmbedContents"):
+        handler = GeminiEmbed(model=_model_name(model), batch=verb == "batchEmbedContents")
+    else:
+        handler = GeminiChat(model=_model_name(model), stream=verb == "streamGenerateContent")
     # Google's SDKs name themselves in x-goog-api-client; their stream parsers cannot
     # skip an SSE comment (relay.dialects.gemini_render.GeminiRender).
     sdk = "google-genai-sdk/" in (header(scope, b"x-goog-api-client") or "")
@@ -132,17 +150,18 @@ class GeminiChat(Chat):
 
 @attrs.define(eq=False)
 class GeminiCount(CountTokens):
-    """``:countTokens``: the provider's own counter (as ``/v1/messages/count_tokens``,
-    SPEC A6), for ``{"contents": …}`` or ``{"generateContentRequest": {…}}``;
-    ``{"totalTokens": N}``."""
+    """``:countTokens``: the provider's own counter, else relay's estimate (as
+    ``/v1/messages/count_tokens``, SPEC A6, A9), for ``{"contents": …}`` or
+    ``{"generateContentRequest": {…}}``; ``{"totalTokens": N}``."""
 
     model: str = ""
 
     def prepare(self, exchange: Exchange, body: bytes) -> None:
         self.priority = priority_of(exchange)
         data = load_json(body)
-        if isinstance(data, dict) and data.get("generateContentRequest") is not None:
-            inner = data["generateContentRequest"]
+        inner = (data.get("generateContentRequest", data.get("generate_content_request"))
+                 if isinstance(data, dict) else None)
+        if inner is not None:
             if not isinstance(inner, dict):
                 raise RelayError("invalid_request", "'generateContentRequest' must be an "
                                  "object", param="generateContentRequest")
@@ -152,18 +171,31 @@ class GeminiCount(CountTokens):
         exchange.record.requested_model = chat.model
         provider = target.provider
         adapter = provider.adapter
-        if not adapter.capabilities.count_tokens:
-            raise RelayError(
-                "unsupported", f"provider {provider.name!r} ({provider.config.adapter}) has "
-                "no token counter of its own, and relay does not estimate token counts; "
-                f"the adapter kinds that count: {_kinds_that(exchange.relay, 'count_tokens')}",
-                provider=provider.name, param="model")
         call = Call(request_id=exchange.record.id, provider=provider.name,
                     model=target.model, messages=chat.messages, stream=False,
                     params=chat.params, inbound=chat.inbound)
+        if not adapter.capabilities.count_tokens:
+            self.call, self.estimate = call, estimate_input(call)  # relay's own (L12)
+            return
         # Sorted as a generation would be (a plain 400 before anything is sent): the
         # gemini adapter gets the request itself, another only what it honours.
         self.call = adapter.admit(call).call
 
     def answer(self, tokens: int) -> dict[str, Any]:
         return {"totalTokens": tokens}
+
+
+@attrs.define(eq=False)
+class GeminiEmbed(Embed):
+    """``:embedContent`` and ``:batchEmbedContents``: embeddings through the provider's
+    lane (as ``POST /v1/embeddings``, SPEC A8), in Google's shapes."""
+
+    model: str = ""
+    batch: bool = False
+
+    def parse(self, body: bytes) -> EmbeddingsInput:
+        return parse_gemini_embed(body, self.model, batch=self.batch)
+
+    def render(self, result: Embeddings, target: Target) -> Any:
+        return render_gemini_embeddings(result.vectors, batch=self.batch,
+                                        provider=target.provider.name)

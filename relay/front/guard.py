@@ -31,13 +31,14 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from relay.dialects.base import Dialect
+from relay.dialects.gemini_generate import GEMINI
 from relay.engine.engine import Engine
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import is_loopback_host
 from relay.vocab.records import Record
 
 from .asgi import Message, Receive, Scope, Send, header, send_error
-from .paths import dialect_for, gemini_method, match
+from .paths import dialect_for, google_client, match
 
 __all__ = ["ACCESS_LOG", "Guard", "dialect_for"]
 
@@ -132,6 +133,8 @@ class Guard:
             await send_with_id(message)
 
         dialect = dialect_for(scope["path"])
+        if scope["path"].startswith("/v1/models") and google_client(scope):
+            dialect = GEMINI  # Google's model list and methods under v1 (SPEC A9)
         refusal = self._refusal(scope, origin)
         if refusal is not None:
             self._record(scope, refusal)
@@ -175,11 +178,13 @@ class Guard:
                 "method"] != "OPTIONS":
             scheme, _, value = (header(scope, b"authorization") or "").partition(" ")
             if scheme.lower() != "bearer":
-                # Anthropic's clients send their key as x-api-key; Google's (under /v1beta
-                # and a model's method under /v1, SPEC A9) as x-goog-api-key or ?key=.
+                # Anthropic's clients send their key as x-api-key; Google's (under /v1beta,
+                # and under /v1/models, its SDKs' default version: SPEC A9) as
+                # x-goog-api-key or ?key=.
                 value = header(scope, b"x-api-key") or ""
                 path = scope["path"]
-                if not value and (path.startswith("/v1beta/") or gemini_method(path)):
+                if not value and (path.startswith(("/v1beta/", "/v1/models/"))
+                                  or path == "/v1/models"):
                     value = header(scope, b"x-goog-api-key") or _query_key(scope)
             if not value or not hmac.compare_digest(value.strip().encode(),
                                                     self.token.encode()):

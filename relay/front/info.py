@@ -17,12 +17,13 @@ from typing import Any
 import trio
 
 from relay.engine.engine import Engine
+from relay.engine.plan import pattern_for
 from relay.vocab.errors import RelayError
 
 from .asgi import Message, Scope, Send, send_error, send_json
 from .paths import Served
 
-__all__ = ["find_model", "refresh_models", "serve_info"]
+__all__ = ["find_model", "refresh_models", "route_names", "serve_info"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,22 +73,30 @@ async def _refresh_models(relay: Engine) -> None:
 
 async def _models(relay: Engine) -> dict[str, Any]:
     await _refresh_models(relay)
-    data = [_entry(name, "relay") for name in relay.config.routes]
+    data = [_entry(name, "relay") for name in route_names(relay)]
     data += [_entry(ident, ident.partition("/")[0]) for ident in relay.model_ids()]
     return {"object": "list", "data": data}
+
+
+def route_names(relay: Engine) -> list[str]:
+    """The routes a model list shows: the exact ones. A pattern (SPEC F9: ``claude-*``)
+    is no model a client can pick; a name it matches is answered by `_model`."""
+    return [name for name, route in relay.config.routes.items() if not route.is_pattern]
 
 
 async def _model(relay: Engine, model: str) -> dict[str, Any] | RelayError:
     """One entry of ``/v1/models`` (SPEC A1, A8): a route name, ``PROVIDER/MODEL`` (the
     model may hold ``/``), or a bare model exactly one provider lists."""
     await _refresh_models(relay)
-    if model in relay.config.routes:
+    if model in route_names(relay):
         return _entry(model, "relay")
     if model in relay.model_ids():
         return _entry(model, model.partition("/")[0])
     owners = [p.name for p in relay.providers.values() if model in p.models]
     if len(owners) == 1:
         return _entry(model, owners[0])
+    if pattern_for(relay, model) is not None:
+        return _entry(model, "relay")   # a request for it would take that route (F9)
     if owners:
         names = ", ".join(f"{owner}/{model}" for owner in owners)
         words = f"is offered by several providers; name one of: {names}"

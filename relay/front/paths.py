@@ -37,8 +37,8 @@ from relay.vocab.records import Record
 
 from .asgi import RELAY_ROUTES, Scope, Send, send_error
 
-__all__ = ["GEMINI_METHODS", "SERVED", "Served", "dialect_for", "gemini_method", "match",
-           "not_served", "served_list"]
+__all__ = ["GEMINI_METHODS", "SERVED", "Served", "dialect_for", "gemini_method",
+           "google_client", "match", "not_served", "served_list"]
 
 logger = logging.getLogger(__name__)
 
@@ -141,13 +141,25 @@ def dialect_for(path: str) -> Dialect:
     return OPENAI
 
 
-GEMINI_METHODS = ("generateContent", "streamGenerateContent", "countTokens")
+GEMINI_METHODS = ("generateContent", "streamGenerateContent", "countTokens",
+                  "embedContent", "batchEmbedContents")
 
 
 def gemini_method(path: str) -> bool:
     """Whether ``path`` is a Gemini model's method under ``/v1/models`` (Google's v1,
     which its newer SDKs use by default): ``/v1/models/{model}:generateContent``."""
     return path.startswith("/v1/models/") and path.rpartition(":")[2] in GEMINI_METHODS
+
+
+def google_client(scope: Scope) -> bool:
+    """Whether the request comes from a Google client (SPEC A9): its key in
+    ``x-goog-api-key`` or ``?key=``, or its SDK named in ``x-goog-api-client``. An
+    OpenAI client sends none of them; to it ``GET /v1/models`` stays OpenAI's list."""
+    for key, _ in scope["headers"]:
+        if key in (b"x-goog-api-key", b"x-goog-api-client"):
+            return True
+    query = scope.get("query_string") or b""
+    return query.startswith(b"key=") or b"&key=" in query
 
 
 def served_list() -> str:

@@ -1,5 +1,7 @@
 """Google's own Python SDK (``google-genai``) against relay's Gemini front (SPEC A9):
-generate, stream, count tokens and a function call, each through the assembled relay.
+generate, stream, count tokens (a provider's counter, or relay's estimate), the model
+list on the SDK's default API version (v1) and on v1beta, embeddings, a function call,
+and automatic function calling with a Python function, each through the assembled relay.
 
 The SDK's client is synchronous here, run in a worker thread (``trio.to_thread``): its
 async client is built on asyncio (``aiohttp`` or ``httpx`` under asyncio's loop), which
@@ -9,6 +11,7 @@ does not run under trio. It is pointed at relay with ``http_options.base_url``.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -104,19 +107,131 @@ async def test_generate_stream_and_count(
     assert counted.total_tokens == 4
     assert posts(gem)[-1].path.endswith("/models/g:countTokens")
 
+    # A provider without a counter of its own: relay's estimate (SPEC A9, L12).
+    counted = await _in_thread(client.models.count_tokens, model="fake/echo",
+                               contents="count these four words")
+    assert 4 <= counted.total_tokens <= 12
     # relay's errors reach the SDK as its APIError, with Google's status and relay's words.
-    with pytest.raises(errors.ClientError) as caught:
-        await _in_thread(client.models.count_tokens, model="fake/echo", contents="x")
-    assert caught.value.code == 400 and "token counter" in str(caught.value.message)
     with pytest.raises(errors.ClientError) as caught:
         await _in_thread(client.models.generate_content, model="nobody/x", contents="x")
     assert caught.value.code == 404 and caught.value.status == "NOT_FOUND"
-    # The SDK's default API version is v1 (POST /v1/models/{model}:…, served above);
-    # the model list is Google's under v1beta (GET /v1/models is OpenAI's).
-    beta = genai.Client(api_key="any", http_options=types.HttpOptions(
-        base_url=served.url, api_version="v1beta"))
-    listed = await _in_thread(lambda: [m.name for m in beta.models.list()])
-    assert "models/fake/echo" in listed and "models/up/m1" in listed
+    # The SDK's default API version is v1 (POST /v1/models/{model}:…, served above), and
+    # its model list is Google's there too (GET /v1/models to a Google client); v1beta's.
+    for api in (None, "v1beta"):
+        listing = genai.Client(api_key="any", http_options=types.HttpOptions(
+            base_url=served.url, api_version=api))
+        listed = await _in_thread(lambda c=listing: [m.name for m in c.models.list()])
+        assert "models/fake/echo" in listed and "models/up/m1" in listed, api
+        one = await _in_thread(listing.models.get, model="fake/echo")
+        assert one.name == "models/fake/echo", api
+        with pytest.raises(errors.ClientError) as caught:
+            await _in_thread(listing.models.get, model="nobody/x")
+        assert (caught.value.code, caught.value.status) == (404, "NOT_FOUND")
+    await wait_for(lambda: lane_idle(served))
+
+
+async def test_embeddings_on_v1_and_v1beta(
+        stage: tuple[Any, FakeUpstream, EmbeddingGemini, genai.Client]) -> None:
+    served, _, gem, client = stage
+    for api in (None, "v1beta"):
+        sdk = genai.Client(api_key="any", http_options=types.HttpOptions(
+            base_url=served.url, api_version=api))
+        got = await _in_thread(sdk.models.embed_content, model="gem/g",
+                               contents=["one text", "another text"],
+                               config=types.EmbedContentConfig(output_dimensionality=8))
+        assert [len(e.values) for e in got.embeddings] == [8, 8], api
+        sent = posts(gem)[-1]
+        assert sent.path.endswith("/models/g:batchEmbedContents")
+        assert [r["content"]["parts"][0]["text"] for r in sent.json["requests"]] == [
+            "one text", "another text"]
+        assert sent.json["requests"][0]["outputDimensionality"] == 8
+    # A provider that makes no embeddings: Google's 400, naming it.
+    with pytest.raises(errors.ClientError) as caught:
+        await _in_thread(client.models.embed_content, model="fake/echo", contents="x")
+    assert caught.value.code == 400 and "makes no embeddings" in str(caught.value.message)
+    await wait_for(lambda: lane_idle(served))
+
+
+def get_weather(city: str) -> dict[str, str]:
+    """The weather in a city.
+
+    Args:
+        city: the city's name.
+    """
+    return {"sky": f"sunny in {city}"}
+
+
+async def test_automatic_function_calling_with_a_python_function(
+        stage: tuple[Any, FakeUpstream, EmbeddingGemini, genai.Client]) -> None:
+    served, up, _, client = stage
+
+    def agent(req: dict[str, Any]) -> Script | None:
+        """Call the tool with a value for every argument its schema requires; then
+        answer from the tool's result (the schema reached the model, or the call fails)."""
+        last = req["messages"][-1]
+        if last["role"] == "tool":
+            result = json.loads(last["content"])
+            return Script(chunks=[f"Answer: {result.get('result', result)['sky']}"])
+        fn = req["tools"][0]["function"]
+        args = {name: "Oslo" for name in fn["parameters"].get("required", [])}
+        return Script(chunks=[], tool_calls=[{"id": "call_1", "type": "function",
+                                              "function": {"name": fn["name"],
+                                                           "arguments": json.dumps(args)}}])
+
+    up.decide = agent
+    got = await _in_thread(client.models.generate_content, model="up/m1",
+                           contents="What is the weather in Oslo?",
+                           config=types.GenerateContentConfig(tools=[get_weather]))
+    assert got.text == "Answer: sunny in Oslo"
+    first, second = (r.json for r in posts(up)[-2:])
+    assert first["tools"][0]["function"]["parameters"]["required"] == ["city"]
+    assert second["messages"][-1] == {"role": "tool", "tool_call_id": "call_1",
+                                      "content": json.dumps({"result": {
+                                          "sky": "sunny in Oslo"}})}
+    # The SDK's history holds the call and its answer: the round trip went through relay.
+    history = got.automatic_function_calling_history
+    assert history[1].parts[0].function_call.args == {"city": "Oslo"}
+    await wait_for(lambda: lane_idle(served))
+
+
+async def test_googles_unknown_name_and_an_estimated_count_over_http(
+        stage: tuple[Any, FakeUpstream, EmbeddingGemini, genai.Client]) -> None:
+    served, _, _, _ = stage
+    body = {"contents": [{"parts": [{"text": "hello there"}]}]}
+    async with httpx.AsyncClient(trust_env=False, base_url=served.url) as http:
+        r = await http.post("/v1/models/fake/echo:generateContent",
+                            json={**body, "bogusField": 1})
+        error = r.json()["error"]
+        assert (r.status_code, error["status"]) == (400, "INVALID_ARGUMENT")
+        assert error["message"].startswith(
+            'Invalid JSON payload received. Unknown name "bogusField": Cannot find field.')
+        assert error["details"][0]["reason"] == "invalid_request"
+        for path in ("/v1/models/fake/echo:countTokens",
+                     "/v1beta/models/fake/echo:countTokens"):
+            r = await http.post(path, json=body)
+            assert r.status_code == 200 and r.headers["x-relay-estimated"] == "true"
+            assert r.json()["totalTokens"] >= 2
+        r = await http.post("/v1/messages/count_tokens", json={
+            "model": "fake/echo", "messages": [{"role": "user", "content": "hello there"}]})
+        assert r.status_code == 200 and r.headers["x-relay-estimated"] == "true"
+        assert r.json()["input_tokens"] >= 2
+        # A provider's own counter is no estimate.
+        r = await http.post("/v1beta/models/gem/g:countTokens", json=body)
+        assert r.status_code == 200 and "x-relay-estimated" not in r.headers
+        # GET /v1/models stays OpenAI's for a client that is not Google's.
+        r = await http.get("/v1/models")
+        assert r.json()["object"] == "list" and "models" not in r.json()
+        r = await http.get("/v1/models", params={"key": "k"})
+        assert "models/fake/echo" in [m["name"] for m in r.json()["models"]]
+        r = await http.post("/v1/models/gem/g:embedContent", json={
+            "content": {"parts": [{"text": "one"}]}})
+        assert r.status_code == 200 and len(r.json()["embedding"]["values"]) > 0
+        r = await http.post("/v1beta/models/gem/g:batchEmbedContents", json={
+            "requests": [{"model": "models/gem/g", "content": {"parts": [{"text": "a"}]},
+                          "task_type": "RETRIEVAL_QUERY"}]})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["details"][0]["reason"] == "unsupported"
+        assert "taskType" in error["message"]
     await wait_for(lambda: lane_idle(served))
 
 

@@ -1,8 +1,9 @@
 """``POST /v1/messages/count_tokens`` (SPEC A6) through the assembled relay with the
 official anthropic client: the provider's own counter where it has one (Anthropic's
 ``/v1/messages/count_tokens``, Gemini's ``:countTokens``, fakes that count
-deterministically: tests/fakes/fake_endpoints.py), an Anthropic-shaped refusal everywhere else
-— never an estimate — and a count that does not wait behind a running answer.
+deterministically: tests/fakes/fake_endpoints.py), relay's local estimate everywhere else
+(marked ``x-relay-estimated: true``; SPEC A9), and a count that does not wait behind a
+running answer.
 """
 
 from __future__ import annotations
@@ -169,26 +170,26 @@ async def test_gemini_counts_with_its_own_counter(
     assert counts(tmp_path)[0]["provider"] == "gem"
 
 
-@pytest.mark.parametrize(("model", "kind"), [("up/m1", "openai"), ("fake/echo", "fake")])
-async def test_a_provider_without_a_counter_is_refused_never_estimated(
+@pytest.mark.parametrize("model", ["up/m1", "fake/echo"])
+async def test_a_provider_without_a_counter_gets_relays_estimate_marked(
         nursery: trio.Nursery, tmp_path: Path, ant: CountingAnthropic, gem: EmbeddingGemini,
-        upstream: FakeUpstream, model: str, kind: str) -> None:
+        upstream: FakeUpstream, model: str) -> None:
     served = await start_relay(nursery, config(ant, gem, upstream), tmp_path)
-    provider = model.partition("/")[0]
     async with sdk(served) as client:
-        with pytest.raises(anthropic.BadRequestError) as refused:
-            await client.messages.count_tokens(model=model, messages=USER)
-    body = refused.value.body
-    assert isinstance(body, dict) and body["type"] == "error"  # Anthropic's shape
-    error = body["error"]
-    assert error["type"] == "invalid_request_error"
-    assert f"provider {provider!r} ({kind}) has no token counter" in error["message"]
-    assert "does not estimate" in error["message"]
-    assert "anthropic, gemini" in error["message"]
-    assert error["relay"]["reason"] == "unsupported"
-    assert refused.value.response.headers["x-should-retry"] == "false"
-    assert not upstream.requests  # nothing was sent anywhere
-    assert counts(tmp_path)[0]["reason"] == "unsupported"
+        plain = await client.messages.with_raw_response.count_tokens(
+            model=model, messages=USER)
+        with_tools = await client.messages.with_raw_response.count_tokens(
+            model=model, messages=USER, system=SYSTEM, tools=TOOLS)
+    assert plain.headers["x-relay-estimated"] == "true"
+    # relay's local estimate (relay.capacity.estimate: the one token budgets use): the
+    # words, a message's framing, the tools' JSON — more with the system and the tools.
+    tokens = (await plain.parse()).input_tokens
+    more = (await with_tools.parse()).input_tokens
+    assert 5 <= tokens <= 15 and more > tokens + 6
+    assert not upstream.requests  # nothing was sent anywhere: no call, no lane
+    await wait_for(lambda: len(counts(tmp_path)) == 2)
+    record = counts(tmp_path)[0]
+    assert (record["provider"], record["status"]) == (model.partition("/")[0], 200)
 
 
 async def test_bad_requests_and_unknown_models_are_anthropic_shaped(

@@ -216,6 +216,65 @@ def test_refused_translations() -> None:
                                            "contents[0].parts[0].executableCode")
 
 
+def test_snake_case_names_are_googles_names_too() -> None:
+    # What google-genai's automatic function calling sends: parameters_json_schema.
+    schema = {"type": "object", "properties": {"city_name": {"type": "string"}},
+              "required": ["city_name"]}
+    snake = {"contents": [{"role": "user", "parts": [{"text": "hi"}]},
+                          {"role": "model", "parts": [{"function_call": {
+                              "name": "get_weather", "args": {"city_name": "Oslo"}}}]},
+                          {"role": "user", "parts": [{"function_response": {
+                              "name": "get_weather", "response": {"sky_now": "sun"}}}]}],
+             "system_instruction": {"parts": [{"text": "be brief"}]},
+             "tools": [{"function_declarations": [{
+                 "name": "get_weather", "parameters_json_schema": schema}]}],
+             "tool_config": {"function_calling_config": {
+                 "mode": "ANY", "allowed_function_names": ["get_weather"]}},
+             "generation_config": {"max_output_tokens": 64, "top_p": 0.5,
+                                   "thinking_config": {"thinking_budget": 0}},
+             "safety_settings": []}
+    camel = {"contents": [{"role": "user", "parts": [{"text": "hi"}]},
+                          {"role": "model", "parts": [{"functionCall": {
+                              "name": "get_weather", "args": {"city_name": "Oslo"}}}]},
+                          {"role": "user", "parts": [{"functionResponse": {
+                              "name": "get_weather", "response": {"sky_now": "sun"}}}]}],
+             "systemInstruction": {"parts": [{"text": "be brief"}]},
+             "tools": [{"functionDeclarations": [{
+                 "name": "get_weather", "parametersJsonSchema": schema}]}],
+             "toolConfig": {"functionCallingConfig": {
+                 "mode": "ANY", "allowedFunctionNames": ["get_weather"]}},
+             "generationConfig": {"maxOutputTokens": 64, "topP": 0.5,
+                                  "thinkingConfig": {"thinkingBudget": 0}},
+             "safetySettings": []}
+    got, want = parse(snake), parse(camel)
+    assert got.messages == want.messages and got.params == want.params
+    # the schema is the tool's, whole (free-form values keep their own names)
+    assert got.params["tools"][0]["function"]["parameters"] == schema
+    assert got.params["max_tokens"] == 64 and got.params["top_p"] == 0.5
+    assert got.inbound.body == want.inbound.body  # the gemini adapter gets Google's names
+    assert set(got.inbound.own) == {"generationConfig.thinkingConfig", "safetySettings"}
+
+
+def test_an_unknown_name_is_googles_400_naming_it() -> None:
+    error = refusal(req(bogusField=1))
+    assert (error.reason, error.status, error.param) == ("invalid_request", 400,
+                                                         "bogusField")
+    assert error.message == ('Invalid JSON payload received. Unknown name "bogusField": '
+                             "Cannot find field.")
+    error = refusal(req(generationConfig={"temprature": 1, "top_k": 3},
+                        tools=[{"functionDeclarations": [{"name": "f", "paramters": {}}]}]))
+    assert error.message == (
+        'Invalid JSON payload received. Unknown name "temprature" at '
+        "'generationConfig': Cannot find field.\n"
+        'Unknown name "paramters" at \'tools[0].functionDeclarations[0]\': Cannot find '
+        "field.")
+    assert error.param == ("generationConfig.temprature, "
+                           "tools[0].functionDeclarations[0].paramters")
+    error = refusal(req(generationConfig={"topK": 3, "top_k": 4}))
+    assert (error.reason, error.param) == ("invalid_request", "generationConfig.topK")
+    assert "both spellings" in error.message
+
+
 # --- the answer, rendered -------------------------------------------------------------------
 
 def test_render_answer_with_text_thoughts_and_calls() -> None:
@@ -349,9 +408,23 @@ async def test_googles_v1_methods_take_googles_key_too(
         google(await c.post(gen, json=req(), headers={"x-goog-api-key": "wrong"}), 401,
                "unauthorized")
         google(await c.post(gen + "?key=wrong", json=req()), 401, "unauthorized")
-        # Only a Gemini method takes Google's key: OpenAI's paths under /v1 do not.
+        # Google's model list under v1 takes Google's key (its SDKs' default version) and
+        # answers in Google's shape; OpenAI's other paths under /v1 do not take it.
         r = await c.get(served.url + "/v1/models", headers={"x-goog-api-key": "s3cret-token"})
-        assert r.status_code == 401, r.text
+        assert r.status_code == 200 and "models/fake/echo" in [
+            m["name"] for m in r.json()["models"]], r.text
+        r = await c.get(served.url + "/v1/models/fake/echo?key=s3cret-token")
+        assert r.json()["name"] == "models/fake/echo"
+        google(await c.get(served.url + "/v1/models", headers={"x-goog-api-key": "wrong"}),
+               401, "unauthorized")
+        r = await c.post(served.url + "/v1/chat/completions", json={
+            "model": "fake/echo", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"x-goog-api-key": "s3cret-token"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+        # An OpenAI client (its token as a bearer) gets OpenAI's list at the same path.
+        r = await c.get(served.url + "/v1/models",
+                        headers={"authorization": "Bearer s3cret-token"})
+        assert r.json()["object"] == "list" and "models/fake/echo" not in r.text
 
 
 async def test_errors_under_v1beta_are_googles(nursery: trio.Nursery, tmp_path: Path,
@@ -379,7 +452,7 @@ async def test_errors_under_v1beta_are_googles(nursery: trio.Nursery, tmp_path: 
                415, "invalid_request")
         google(await c.post(gen, json=req("x" * 5000), headers=key), 413, "invalid_request")
         # The unknown path, method and model; what relay cannot serve.
-        err = google(await c.post(url + "/v1beta/models/fake/echo:embedContent", json=req(),
+        err = google(await c.post(url + "/v1beta/models/fake/echo:predict", json=req(),
                                   headers=key), 404, "invalid_request")
         assert "generateContent" in err["message"]
         err = google(await c.get(url + "/v1beta/cachedContents", headers=key), 404,
@@ -400,13 +473,14 @@ async def test_errors_under_v1beta_are_googles(nursery: trio.Nursery, tmp_path: 
         google(await c.post(gen, content=b"{", headers={**key, "content-type":
                                                         "application/json"}),
                400, "invalid_request")
-        # Tools the fake cannot call, and a count it cannot make: refused, said why.
+        # Tools the fake cannot call: refused, said why; a count it cannot make itself:
+        # relay's estimate, marked as one.
         err = google(await c.post(gen, json=req(tools=[TOOL], toolConfig={
             "functionCallingConfig": {"mode": "ANY"}}), headers=key), 400, "unsupported")
         assert "tool" in err["message"]
-        err = google(await c.post(url + COUNT.format("fake/echo"), json=req(), headers=key),
-                     400, "unsupported")
-        assert "token counter" in err["message"]
+        r = await c.post(url + COUNT.format("fake/echo"), json=req(), headers=key)
+        assert r.status_code == 200 and r.headers["x-relay-estimated"] == "true"
+        assert r.json()["totalTokens"] > 0
     await wait_for(lambda: lane_idle(served))
 
 
@@ -514,7 +588,7 @@ async def test_native_to_the_gemini_adapter_and_translated_to_anthropic(
     native = req("hi", safetySettings=[{"category": "HARM_CATEGORY_HARASSMENT",
                                         "threshold": "BLOCK_NONE"}],
                  generationConfig={"thinkingConfig": {"thinkingBudget": 0}, "topK": 3},
-                 cachedContent="cachedContents/abc", futureField={"x": 1})
+                 cachedContent="cachedContents/abc")
     async with http_client() as c:
         r = await c.post(served.url + STREAM.format("gem/g"), json=native)
         assert r.status_code == 200, r.text
