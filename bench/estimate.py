@@ -48,7 +48,7 @@ from relay.vocab.events import Call  # noqa: E402
 
 COUNTS = ROOT / "bench" / "estimate_counts.json"
 FRAMING = 7                 # tokens OpenAI adds to one chat message's text (3 + 1 + 3)
-AFTER = (0, 1, 3, 10, 30, 100)
+AFTER = (0, 3, 10, 30, 100)
 ORDERS = 20
 
 CHINESE = ("人工智能模型按令牌计费，每分钟的输入和输出令牌都有上限。当请求过多时，服务会返回"  # noqa: RUF001

@@ -244,12 +244,13 @@ RATIO_PRIOR = 4             # pseudo-answers at ratio 1.0 among them (relay's es
 RATIO_TRIM = 0.25           # of the kept ratios (and the prior's), cut off at each end
 RATIO_KEYS = 256            # (model, script) pairs kept, the least recently used dropped
 RATIO_BOUNDS = (0.05, 20.0)  # an answer's ratio outside them teaches nothing
-RATIO_SURE = 20             # answers before `least` trusts the learned spread
-LEAST_RATIO: Final = {"latin": 0.6, "code": 0.6, "json": 0.6, "han": 0.5, "kana": 0.5,
+RATIO_SURE = 20             # answers before `least` trusts their lowest ratio
+LEAST_RATIO: Final = {"latin": 0.4, "code": 0.4, "json": 0.5, "han": 0.5, "kana": 0.5,
                       "hangul": 0.5, "other": 0.3, "image": 0.05}
 """The fewest tokens a provider may count of a script for each token of relay's estimate,
-before its own answers say (`InputRatio.least`): below every tokenizer measured
-(docs/tokens.md), with room for one not measured."""
+before its own answers say (`InputRatio.least`): below every prompt measured with three
+tokenizers (docs/tokens.md; the lowest, 0.42, a code slice with a line of 80 dashes, which
+the estimate counts a token each), with room for one not measured."""
 
 
 class _Ratios:
@@ -271,9 +272,8 @@ class _Ratios:
         self.ratio = math.exp(math.fsum(kept) / len(kept))
 
     def low(self) -> float:
-        """The 10th percentile of the kept ratios."""
-        ordered = sorted(self.logs)
-        return math.exp(ordered[int(0.1 * (len(ordered) - 1))])
+        """The lowest of the kept ratios."""
+        return math.exp(min(self.logs))
 
 
 class InputRatio:
@@ -305,9 +305,9 @@ class InputRatio:
 
     def least(self, model: str, script: str, estimate: int) -> int:
         """The fewest tokens the provider may plausibly count for ``estimate``: once
-        `RATIO_SURE` answers are kept, the 10th percentile of their ratios (never above the
-        learned ratio); before, the script's `LEAST_RATIO`. For refusing a request that
-        could never fit (``request_too_large``): where relay cannot tell, it sends."""
+        `RATIO_SURE` answers are kept, at their lowest ratio; before, at the script's
+        `LEAST_RATIO` (or the learned ratio, if lower). For refusing a request that could
+        never fit (``request_too_large``): where relay cannot tell, it sends."""
         found = self._ratios.get((model, script))
         if found is None or len(found.logs) < RATIO_SURE:
             low = min(LEAST_RATIO.get(script, LEAST_RATIO["other"]), self.ratio(model, script))
