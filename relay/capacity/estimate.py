@@ -139,18 +139,20 @@ image part (its flat `IMAGE_TOKENS` is least like text, so it learns apart)."""
 
 _SAMPLE = 1024              # characters a window of a long text's sample
 _WINDOWS = 8                # windows, evenly spread, when a text is longer than all of them
-_COUNTED = {
-    "hangul": re.compile(r"[\u1100-\u11ff\u3130-\u318f\uac00-\ud7af]"),
-    "kana": re.compile(r"[\u3040-\u30ff\u31f0-\u31ff\uff66-\uff9f]"),
-    "han": re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]"),
-    "latin": re.compile(r"[A-Za-z\u00c0-\u024f]"),
-    "letter": re.compile(r"[^\W\d_]"),
-    "digit": re.compile(r"[0-9]"),
-    "punct": re.compile(r"[!-/:-@\[-`{-~]"),
-    "quote": re.compile(r'"'),
-    "jsonish": re.compile(r'[{}\[\]:,"]'),
-    "codeish": re.compile(r"[_(){}=;<>\[\]]"),
-    "indent": re.compile(r"\n[ \t]"),
+_HANGUL = r"\u1100-\u11ff\u3130-\u318f\uac00-\ud7af"
+_KANA = r"\u3040-\u30ff\u31f0-\u31ff\uff66-\uff9f"
+_HAN = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+_LATIN = r"A-Za-z\u00c0-\u024f"
+_RUNS = {  # characters of a class, counted by runs (a regular expression's matches cost)
+    "hangul": re.compile(f"[{_HANGUL}]+"),
+    "kana": re.compile(f"[{_KANA}]+"),
+    "han": re.compile(f"[{_HAN}]+"),
+    "latin": re.compile(f"[{_LATIN}]+"),
+    "other": re.compile(f"[^\\W\\d_{_LATIN}{_HANGUL}{_KANA}{_HAN}]+"),  # other letters
+    "digit": re.compile(r"[0-9]+"),
+    "punct": re.compile(r"[!-/:-@\[-`{-~]+"),
+    "jsonish": re.compile(r'[{}\[\]:,"]+'),
+    "codeish": re.compile(r"[_(){}=;<>\[\]]+"),
 }
 
 
@@ -164,8 +166,11 @@ def _tally(text: str, into: dict[str, float]) -> None:
         step = (len(text) - _SAMPLE) // (_WINDOWS - 1)
         sample = "\n".join(text[i * step:i * step + _SAMPLE] for i in range(_WINDOWS))
         scale = len(text) / len(sample)
-    for name, pattern in _COUNTED.items():
-        into[name] = into.get(name, 0.0) + pattern.subn("", sample)[1] * scale
+    for name, pattern in _RUNS.items():
+        into[name] = into.get(name, 0.0) + sum(map(len, pattern.findall(sample))) * scale
+    into["quote"] = into.get("quote", 0.0) + sample.count('"') * scale
+    into["indent"] = into.get("indent", 0.0) + (sample.count("\n ") + sample.count("\n\t")
+                                                ) * scale
 
 
 def _script_of_tally(counts: dict[str, float]) -> str:
@@ -177,7 +182,7 @@ def _script_of_tally(counts: dict[str, float]) -> str:
     get = counts.get
     hangul, kana, han, latin = get("hangul", 0.0), get("kana", 0.0), get("han", 0.0), \
         get("latin", 0.0)
-    other = max(0.0, get("letter", 0.0) - hangul - kana - han - latin)
+    other = get("other", 0.0)
     punct = get("punct", 0.0)
     japanese = kana > 0.1 * (kana + han)
     weights = {"hangul": hangul, "kana": kana + han if japanese else 0.0,
