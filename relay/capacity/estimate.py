@@ -6,6 +6,11 @@ definitions and calls by their JSON; an image part a flat `IMAGE_TOKENS`. docs/t
 says how it was made and how far off it was on the tests' corpora. The output reservation
 is the request's own limit, else the provider's, else a learned percentile of the model's
 answers (`Learned`), never below `OUTPUT_FLOOR`.
+
+The input estimate learns (`InputRatio`): each whole answer's reported prompt tokens over
+relay's estimate, by model and by the prompt's script (`script_of`: the same estimate is
+0.8x of one provider's count on Korean and 1.35x of another's), a trimmed mean of the
+recent ratios that starts at 1.0 and moves as answers come.
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ import collections
 import json
 import math
 import re
-from typing import Any
+from typing import Any, Final
 
 from relay.vocab.events import Call
 
-__all__ = ["IMAGE_TOKENS", "MESSAGE_OVERHEAD", "OUTPUT_FLOOR", "Learned", "estimate_input",
-           "estimate_text", "output_reservation"]
+__all__ = ["IMAGE_TOKENS", "LEAST_RATIO", "MESSAGE_OVERHEAD", "OUTPUT_FLOOR", "SCRIPTS",
+           "InputRatio", "Learned", "estimate_input", "estimate_text", "output_reservation",
+           "script_of"]
 
 OUTPUT_FLOOR = 256          # tokens reserved for an answer of unknown length
 MESSAGE_OVERHEAD = 4        # tokens a chat message costs beyond its text (role, framing)
@@ -122,3 +128,223 @@ class Learned:
             return None
         ordered = sorted(seen)
         return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+
+
+# --- the prompt's script ------------------------------------------------------------------
+
+SCRIPTS: Final = ("latin", "code", "json", "han", "kana", "hangul", "other", "image")
+"""What `script_of` answers: Latin-script prose; source code; JSON; Chinese (Han without
+kana); Japanese (kana among the Han); Korean (Hangul); any other script; a prompt with an
+image part (its flat `IMAGE_TOKENS` is least like text, so it learns apart)."""
+
+_SAMPLE = 1024              # characters a window of a long text's sample
+_WINDOWS = 8                # windows, evenly spread, when a text is longer than all of them
+_HANGUL = r"\u1100-\u11ff\u3130-\u318f\uac00-\ud7af"
+_KANA = r"\u3040-\u30ff\u31f0-\u31ff\uff66-\uff9f"
+_HAN = r"\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+_LATIN = r"A-Za-z\u00c0-\u024f"
+_RUNS = {  # characters of a class, counted by runs (a regular expression's matches cost)
+    "hangul": re.compile(f"[{_HANGUL}]+"),
+    "kana": re.compile(f"[{_KANA}]+"),
+    "han": re.compile(f"[{_HAN}]+"),
+    "latin": re.compile(f"[{_LATIN}]+"),
+    "other": re.compile(f"[^\\W\\d_{_LATIN}{_HANGUL}{_KANA}{_HAN}]+"),  # other letters
+    "digit": re.compile(r"[0-9]+"),
+    "punct": re.compile(r"[!-/:-@\[-`{-~]+"),
+    "jsonish": re.compile(r'[{}\[\]:,"]+'),
+    "codeish": re.compile(r"[_(){}=;<>\[\]]+"),
+}
+
+
+def _tally(text: str, into: dict[str, float]) -> None:
+    """Add ``text``'s character classes to ``into``: all of a short text, else
+    `_WINDOWS` windows of `_SAMPLE` characters spread over it, scaled to its length (a
+    bounded cost whatever the length)."""
+    if len(text) <= _SAMPLE * _WINDOWS:
+        sample, scale = text, 1.0
+    else:
+        step = (len(text) - _SAMPLE) // (_WINDOWS - 1)
+        sample = "\n".join(text[i * step:i * step + _SAMPLE] for i in range(_WINDOWS))
+        scale = len(text) / len(sample)
+    for name, pattern in _RUNS.items():
+        into[name] = into.get(name, 0.0) + sum(map(len, pattern.findall(sample))) * scale
+    into["quote"] = into.get("quote", 0.0) + sample.count('"') * scale
+    into["indent"] = into.get("indent", 0.0) + (sample.count("\n ") + sample.count("\n\t")
+                                                ) * scale
+
+
+def _script_of_tally(counts: dict[str, float]) -> str:
+    """The script whose characters weigh most in relay's estimate: a Han, kana or Hangul
+    character a token, another script's letter a quarter, a Latin letter a fifth, a digit
+    a third, a punctuation mark one. Text in Latin letters is JSON when its punctuation is
+    mostly JSON's and a third of its characters, code when brackets, ``=``, ``_`` and
+    indented lines are frequent among its letters, prose otherwise."""
+    get = counts.get
+    hangul, kana, han, latin = get("hangul", 0.0), get("kana", 0.0), get("han", 0.0), \
+        get("latin", 0.0)
+    other = get("other", 0.0)
+    punct = get("punct", 0.0)
+    japanese = kana > 0.1 * (kana + han)
+    weights = {"hangul": hangul, "kana": kana + han if japanese else 0.0,
+               "han": 0.0 if japanese else han, "other": other / 4,
+               "latin": latin / 5 + get("digit", 0.0) / 3 + punct}
+    script = max(weights, key=lambda name: weights[name])
+    if script != "latin" or not weights["latin"]:
+        return script if weights[script] else "latin"
+    if punct >= 0.2 * (punct + latin + get("digit", 0.0)) and get("jsonish", 0.0) >= 0.7 * \
+            punct and get("quote", 0.0) >= 0.3 * punct:
+        return "json"
+    if get("codeish", 0.0) + 2 * get("indent", 0.0) >= 0.06 * max(latin, 1.0):
+        return "code"
+    return "latin"
+
+
+def _texts(call: Call) -> tuple[list[str], bool]:
+    """The texts of ``call``'s prompt, and whether it has an image part."""
+    texts: list[str] = []
+    image = False
+    for message in call.messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, str):
+                    texts.append(part)
+                elif isinstance(part, dict):
+                    if part.get("type") in ("image_url", "image", "input_image"):
+                        image = True
+                    elif isinstance(part.get("text"), str):
+                        texts.append(part["text"])
+        for key in ("tool_calls", "function_call"):
+            if message.get(key):
+                texts.append(json.dumps(message[key], ensure_ascii=False))
+    for key in ("tools", "functions", "response_format"):
+        if call.params.get(key):
+            texts.append(json.dumps(call.params[key], ensure_ascii=False))
+    return texts, image
+
+
+def script_of(prompt: str | Call) -> str:
+    """Which of `SCRIPTS` dominates ``prompt`` (a text, or a call's messages, tool
+    definitions and tool calls) by weight in relay's estimate; ``"image"`` for a call with
+    an image part. Linear in the number of texts, at most 8 KiB read of each."""
+    if isinstance(prompt, str):
+        texts, image = [prompt], False
+    else:
+        texts, image = _texts(prompt)
+    if image:
+        return "image"
+    counts: dict[str, float] = {}
+    for text in texts:
+        if text:
+            _tally(text, counts)
+    return _script_of_tally(counts)
+
+
+# --- the learned ratio --------------------------------------------------------------------
+
+RATIO_WINDOW = 200          # answers kept a (model, script)
+RATIO_PRIOR = 4             # pseudo-answers at ratio 1.0 among them (relay's estimate as is)
+RATIO_TRIM = 0.25           # of the kept ratios (and the prior's), cut off at each end
+RATIO_KEYS = 256            # (model, script) pairs kept, the least recently used dropped
+RATIO_BOUNDS = (0.05, 20.0)  # an answer's ratio outside them teaches nothing
+RATIO_SURE = 20             # answers before `least` trusts their lowest ratio
+LEAST_RATIO: Final = {"latin": 0.4, "code": 0.4, "json": 0.5, "han": 0.5, "kana": 0.5,
+                      "hangul": 0.5, "other": 0.3, "image": 0.05}
+"""The fewest tokens a provider may count of a script for each token of relay's estimate,
+before its own answers say (`InputRatio.least`): below every prompt measured with three
+tokenizers (docs/tokens.md; the lowest, 0.42, a code slice with a line of 80 dashes, which
+the estimate counts a token each), with room for one not measured."""
+
+
+class _Ratios:
+    """One (model, script)'s recent ratios (as logarithms) and their learned center."""
+
+    __slots__ = ("logs", "ratio", "seen")
+
+    def __init__(self) -> None:
+        self.logs: collections.deque[float] = collections.deque(maxlen=RATIO_WINDOW)
+        self.ratio = 1.0
+        self.seen = 0
+
+    def add(self, log: float) -> None:
+        self.logs.append(log)
+        self.seen += 1
+        ordered = sorted([*self.logs, *([0.0] * RATIO_PRIOR)])
+        cut = int(RATIO_TRIM * len(ordered))
+        kept = ordered[cut:len(ordered) - cut]
+        self.ratio = math.exp(math.fsum(kept) / len(kept))
+
+    def low(self) -> float:
+        """The lowest of the kept ratios."""
+        return math.exp(min(self.logs))
+
+
+class InputRatio:
+    """The provider's reported prompt tokens over relay's estimate, learned per (model,
+    script) from whole answers (SPEC L12): ``adjust`` turns the next estimate into the
+    provider's likely count.
+
+    Robust: the ratio is the trimmed mean (a quarter cut at each end) of the logarithms of
+    the last `RATIO_WINDOW` answers' ratios and of `RATIO_PRIOR` pseudo-answers at 1.0 (the
+    estimate as it is), so a single odd answer (an image, a provider's hidden system
+    prompt) is always cut, and the first answers move it gradually: one moves nothing,
+    then each moves it further (4 answers at 0.72 give 0.85, 10 give 0.75). Bounded: at
+    most `RATIO_KEYS` (model, script) pairs, each at most `RATIO_WINDOW` floats."""
+
+    def __init__(self, keys: int = RATIO_KEYS) -> None:
+        self._keys = keys
+        self._ratios: collections.OrderedDict[tuple[str, str], _Ratios] = \
+            collections.OrderedDict()
+
+    def ratio(self, model: str, script: str) -> float:
+        """The learned ratio (1.0 before any answer)."""
+        found = self._ratios.get((model, script))
+        return found.ratio if found is not None else 1.0
+
+    def adjust(self, model: str, script: str, estimate: int) -> int:
+        """``estimate`` (relay's, `estimate_input`) as the provider would likely count it;
+        never below 1."""
+        return max(1, math.ceil(estimate * self.ratio(model, script) - 1e-9))
+
+    def least(self, model: str, script: str, estimate: int) -> int:
+        """The fewest tokens the provider may plausibly count for ``estimate``: once
+        `RATIO_SURE` answers are kept, at their lowest ratio; before, at the script's
+        `LEAST_RATIO` (or the learned ratio, if lower). For refusing a request that could
+        never fit (``request_too_large``): where relay cannot tell, it sends."""
+        found = self._ratios.get((model, script))
+        if found is None or len(found.logs) < RATIO_SURE:
+            low = min(LEAST_RATIO.get(script, LEAST_RATIO["other"]), self.ratio(model, script))
+        else:
+            low = min(found.low(), found.ratio)
+        return max(1, math.floor(estimate * low + 1e-9))
+
+    def learn(self, model: str, script: str, estimate: int, reported: int) -> bool:
+        """A whole answer's reported prompt tokens against relay's estimate of its prompt
+        (before `adjust`). A count of 0, or a ratio outside `RATIO_BOUNDS`, teaches nothing
+        (False)."""
+        if estimate <= 0 or reported <= 0:
+            return False
+        ratio = reported / estimate
+        if not RATIO_BOUNDS[0] <= ratio <= RATIO_BOUNDS[1]:
+            return False
+        key = (model, script)
+        found = self._ratios.get(key)
+        if found is None:
+            found = self._ratios[key] = _Ratios()
+            while len(self._ratios) > self._keys:
+                self._ratios.popitem(last=False)
+        else:
+            self._ratios.move_to_end(key)
+        found.add(math.log(ratio))
+        return True
+
+    def status(self, model: str) -> dict[str, dict[str, float | int]]:
+        """The model's learned ratios by script, for the status JSON:
+        ``{"hangul": {"ratio": 0.72, "samples": 37}}`` (samples: answers learned from)."""
+        return {script: {"ratio": round(found.ratio, 3), "samples": found.seen}
+                for (model_, script), found in self._ratios.items() if model_ == model}
+
+    def __len__(self) -> int:
+        return len(self._ratios)
