@@ -114,6 +114,8 @@ class Need:
     # may read from its cache): never refused as too large, it is sent (SPEC L12a).
     sure: bool = True
     estimate: int = 0  # relay's own estimate of the whole prompt (for the learning)
+    script: str = ""  # the prompt's script (`relay.capacity.estimate.script_of`)
+    least: int | None = None  # the fewest input tokens the provider may count (too_large)
 
     def cost(self, kind: str) -> int:
         if kind == "requests":

@@ -139,6 +139,8 @@ class Meter:
         sure of (a prompt the provider may read from its cache) is sent, not refused."""
         if not need.sure:
             return None
+        if need.least is not None:  # judged on the fewest the provider may count
+            need = attrs.evolve(need, input=min(need.input, need.least))
         for budget in self.budgets(need.scope):
             found = budget.too_large(need)
             if found is not None:

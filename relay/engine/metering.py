@@ -37,6 +37,7 @@ from relay.capacity.budget import (
     estimate_input,
     output_reservation,
 )
+from relay.capacity.estimate import script_of
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import Lane, Ticket
 from relay.capacity.meter import scope_of
@@ -79,17 +80,21 @@ def need_of(run_: Run, learned_from: Learned) -> Need:
     provider = run_.target.provider
     provider_max = getattr(provider.config.settings, "max_tokens", None)
     learned = learned_from.output(call.model)
-    estimate = estimate_input(call)
+    raw, script = estimate_input(call), script_of(call)
+    # What this provider counted for this model's prompts in this script so far.
+    estimate = provider.input_ratio.adjust(call.model, script, raw)
+    least = provider.input_ratio.least(call.model, script, raw)
     needed, sure = estimate, True
     if skips_cache_reads(provider) and marks_cache(call):  # (unmarked: nothing cached)
         uncached = provider.conversations.uncached(conversation_of(call), estimate)
         if uncached is not None:
-            needed = uncached
+            needed, least = uncached, min(least, uncached)
         else:
             sure = False
     return Need(needed, output_reservation(
         call, learned, provider_max if isinstance(provider_max, int) else None),
-        scope=scope_of(call.model), sure=sure, estimate=estimate)
+        scope=scope_of(call.model), sure=sure, estimate=estimate, script=script,
+        least=least)
 
 
 def skips_cache_reads(provider: Provider) -> bool:
@@ -338,6 +343,10 @@ def learn(learned: Learned, run_: Run, error: RelayError | None,
             (usage.cache_read_tokens or 0) + (usage.cache_write_tokens or 0))
     if usage.completion_tokens is not None and run_.sink.complete:
         learned.learn(run_.call.model, usage.completion_tokens)
+        if need is not None and need.script:  # (the raw estimate, the whole prompt)
+            provider = run_.target.provider
+            provider.input_ratio.learn(run_.call.model, need.script,
+                                       estimate_input(run_.call), usage.prompt_tokens)
 
 
 def count_wait(ticket: Ticket, record: Record) -> None:

@@ -39,6 +39,7 @@ import attrs
 import trio
 
 from relay.api.adapter import Adapter
+from relay.capacity.estimate import InputRatio
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import PRIORITIES
 from relay.capacity.meter import Conversations
@@ -137,6 +138,8 @@ class Provider:
     # SPEC L12a: each conversation's prompt cache as its last answer said.
     conversations: Conversations = attrs.field(
         factory=lambda: Conversations(trio.current_time))
+    # SPEC L12: what the provider counts of relay's estimate, per model and script.
+    input_ratio: InputRatio = attrs.field(factory=InputRatio)
     # Attempts in flight → (request id, route, priority); see `track`.
     _in_flight: weakref.WeakKeyDictionary[InFlight, tuple[str, str | None, str]] = (
         attrs.field(factory=weakref.WeakKeyDictionary))
@@ -242,6 +245,9 @@ class Provider:
             return None
         status: dict[str, Any] = budget.status(clock.iso if clock is not None
                                                else lambda t: None)
+        # What the provider counted of relay's estimate, by model and script (L12).
+        for model, figures in status.get("models", {}).items():
+            figures["estimate"] = self.input_ratio.status(model)
         return status
 
 
