@@ -203,12 +203,13 @@ def show(found: Plan, *, url: str, source: str, model: str | None) -> str:
     return "\n".join(lines)
 
 
-def _models(url: str, token: str | None) -> list[str]:
-    """The relay's model names (``GET /v1/models``); raises OSError when none answers."""
+def _models(url: str, token: str | None) -> list[str] | str:
+    """The relay's model names (``GET /v1/models``), or what it answered instead; raises
+    OSError when none answers."""
     code, body = get_json(url + "/v1/models", token=token)
     if code != 200:
         message = body.get("error", {}).get("message") if isinstance(body, dict) else body
-        raise OSError(f"GET {url}/v1/models answered {code}: {message}")
+        return f"relay at {url} answered {code}: {message}"
     return [entry["id"] for entry in body.get("data", []) if isinstance(entry, dict)
             and isinstance(entry.get("id"), str)]
 
@@ -272,6 +273,9 @@ def main(args: argparse.Namespace, passed: list[str], daemon: Any) -> int:
         print(f"relay: no relay answers at {daemon.url} (from {daemon.source}: {exc}); "
               "start it with `relay serve`, or name it with --url URL or RELAY_URL=URL",
               file=sys.stderr)
+        return 1
+    if isinstance(models, str):  # (a token relay refuses, say)
+        print(f"relay: {models}", file=sys.stderr)
         return 1
     model = args.model
     if model is None and agent.needs_model:
