@@ -4,13 +4,15 @@
     relay config check [--config FILE] [--model NAME …]
     relay status [--url URL] [--config FILE]
     relay check [PROVIDER…] [--url URL] [--config FILE]
+    relay launch AGENT [--model M] [--url URL] [--print] [-- ARGS…]
+    relay ps [--url URL] [--config FILE] [--json]
     relay service install|uninstall --systemd|--launchd [--config FILE] [--print]
 
 A config error prints every problem (file, table, key, what is wrong) and exits 2; so
 does an address ``serve`` cannot listen on (one line: the port, and how to pick another).
-``status`` and ``check`` find the daemon by ``--url``, then ``RELAY_URL``, then the
-config's ``[server]`` host and port (the file ``serve`` would read), then
-127.0.0.1:8765, and say which URL they tried (`daemon_url`).
+``status``, ``check``, ``ps`` and ``launch`` find the daemon by ``--url``, then
+``RELAY_URL``, then the config's ``[server]`` host and port (the file ``serve`` would
+read), then 127.0.0.1:8765, and say which URL they tried (`daemon_url`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import logging
 import os
 import signal
@@ -36,8 +39,8 @@ from relay.front.guard import ACCESS_LOG
 from relay.shared.deployment import check_server
 from relay.vocab.errors import ConfigError
 
-from . import service
-from .describe import describe_config, describe_records
+from . import launch, service
+from .describe import describe_config, describe_records, describe_requests
 from .server import ListenError, serve
 
 GC_YOUNG_OBJECTS = 10_000  # gc's first threshold in the daemon (Python's default: 700)
@@ -73,7 +76,18 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="the lanes of a running daemon")
     checks = sub.add_parser("check", help="run connection checks on a running daemon")
     checks.add_argument("providers", nargs="*", help="provider names (default: all)")
-    for cmd in (status, checks):
+    ps = sub.add_parser("ps", help="what runs and waits now on a running daemon")
+    ps.add_argument("--json", action="store_true", help="the status's requests as JSON")
+    launched = sub.add_parser("launch", allow_abbrev=False, help="run a coding agent on "
+                              "the running relay", description=launch.DESCRIPTION,
+                              usage="relay launch AGENT [--model M] [--url URL] [--print] "
+                              "[-- ARGS…]")
+    launched.add_argument("agent", choices=sorted(launch.AGENTS))
+    launched.add_argument("--model", help="a route or PROVIDER/MODEL of relay's "
+                          "(default: the agent's own, or relay's first model)")
+    launched.add_argument("--print", action="store_true", dest="print_only",
+                          help="show what it would set (keys masked) without running")
+    for cmd in (status, checks, ps, launched):
         cmd.add_argument("--url", help="the daemon's URL (default: $RELAY_URL, else the "
                          "config's [server] host and port, else " + DEFAULT_URL + ")")
         cmd.add_argument("--config", help="the config whose [server] host and port to use "
@@ -109,6 +123,10 @@ def _load(path: str | None, overrides: dict[str, Any] | None = None) -> Config |
 
 
 def main(argv: list[str] | None = None) -> int:
+    # long because it is the one dispatcher of every subcommand (serve's set-up included)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:
+        return _launch(argv)
     args = _parser().parse_args(argv)
     if args.command == "serve":
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port))
@@ -167,7 +185,18 @@ def main(argv: list[str] | None = None) -> int:
         return service.uninstall(args.kind)
     if args.command == "check":
         return _check(daemon_url(args.url, args.config), args.providers)
+    if args.command == "ps":
+        return _ps(daemon_url(args.url, args.config, announce=not args.json), args.json)
     return 2  # pragma: no cover - argparse refuses other commands
+
+
+def _launch(argv: list[str]) -> int:
+    """``relay launch``: what relay does not take, and everything after ``--``, is the
+    agent's."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, passed = _parser().parse_known_args(argv[:cut])
+    return launch.main(args, passed + argv[cut + 1:],
+                       daemon_url(args.url, args.config, announce=False))
 
 
 def _run_daemon(config: Config) -> int:
@@ -255,10 +284,11 @@ class _Daemon:
                 "running there? Point to the daemon with --url URL or RELAY_URL=URL.")
 
 
-def daemon_url(url: str | None, config: str | None) -> _Daemon:
+def daemon_url(url: str | None, config: str | None, *, announce: bool = True) -> _Daemon:
     """The daemon to ask (SPEC 9): ``--url``, then ``RELAY_URL``, then the config's
     ``[server]`` host and port — the file ``relay serve`` would read — then
-    127.0.0.1:8765. Prints the URL and where it came from to stderr.
+    127.0.0.1:8765. Prints the URL and where it came from to stderr (unless not
+    ``announce``: ``relay launch``, whose stderr is the agent's).
 
     Only the config's ``[server]`` table is read, not validated: a daemon may be running
     on a file that has since gained a problem. The token is the config's ``token_env``
@@ -289,8 +319,9 @@ def daemon_url(url: str | None, config: str | None) -> _Daemon:
         found = _Daemon(f"http://{host_port}", f"[server] host and port of {what}", token)
     else:
         found = _Daemon(DEFAULT_URL, f"relay's default{note}", token)
-    print(f"relay: asking the daemon at {found.url} (from {found.source})", file=sys.stderr,
-          flush=True)
+    if announce:
+        print(f"relay: asking the daemon at {found.url} (from {found.source})",
+              file=sys.stderr, flush=True)
     return found
 
 
@@ -350,4 +381,22 @@ def _status(daemon: _Daemon) -> int:
     records = body.get("records")
     if isinstance(records, dict):  # (absent from a daemon older than issue 29)
         print(describe_records(records))
+    return 0
+
+
+
+def _ps(daemon: _Daemon, as_json: bool) -> int:
+    """What runs and waits now: the status's ``requests``, as a table or as JSON."""
+    try:
+        code, body = get_json(daemon.url + "/relay/v1/status", token=daemon.token)
+    except OSError as exc:
+        print(daemon.unreachable(exc), file=sys.stderr)
+        return 1
+    if code != 200 or "requests" not in body:
+        why = (f"answered {code}: {body.get('error', {}).get('message')}" if code != 200
+               else "has no requests list (a relay older than `relay ps`)")
+        print(f"relay: status {why}", file=sys.stderr)
+        return 1
+    print(json.dumps(body["requests"], indent=1) if as_json
+          else describe_requests(body["requests"]))
     return 0

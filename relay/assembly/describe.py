@@ -146,3 +146,23 @@ def describe_records(r: dict[str, Any]) -> str:
         return f"records: {r['path']} (writing){dropped}"
     return (f"records: NOT WRITTEN to {r['path']} since {r.get('failing_since')}: "
             f"{r.get('reason')}; {r.get('kept_back')} kept back in memory{dropped}")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+def describe_requests(lines: list[dict[str, Any]]) -> str:
+    """``relay ps``: the status's ``requests`` as a table (FOR: time in the present
+    state)."""
+    if not lines:
+        return "nothing runs or waits"
+    rows = [("PROVIDER", "MODEL", "CLIENT", "PRIORITY", "STATE", "FOR")]
+    rows += [(q["provider"], q["model"], q["client"], q["priority"], q["state"],
+              _duration(q["for_s"])) for q in lines]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+                     .rstrip() for row in rows)

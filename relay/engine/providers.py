@@ -196,15 +196,19 @@ class Provider:
 
     def requests(self, clock: Clock) -> list[dict[str, Any]]:
         """The attempts in flight here: running ones (and stopping ones: timed out, their
-        cleanup still holding the slot) by start, then the queued ones in queue order."""
+        cleanup still holding the slot) by start, then the queued ones in queue order. A
+        queued one is ``held`` while the provider holds every start (SPEC L12: it said
+        wait)."""
         now = trio.current_time()
+        budget = getattr(self.lane, "budget", None)  # (a shared lane has none here)
+        held = budget is not None and budget.hold_left() > 0
         listed: list[tuple[tuple[int, int, float], dict[str, Any]]] = []
         for run, (request_id, route, priority) in list(self._in_flight.items()):
             if run.finished_at is not None:
                 continue
             started, running = run.record.started, run.running_since
             state = ("stopping" if run.stopped_at is not None else
-                     "running" if running is not None else "queued")
+                     "running" if running is not None else "held" if held else "queued")
             order = (int(running is None), PRIORITIES.get(priority, 1), running or started)
             listed.append((order, {
                 "id": request_id, "model": run.record.model, "route": route,
@@ -214,6 +218,18 @@ class Provider:
             }))
         listed.sort(key=lambda item: item[0])
         return [entry for _, entry in listed[:MAX_LISTED_REQUESTS]]
+
+    def ps(self, clock: Clock) -> list[dict[str, Any]]:
+        """This provider's lines of the status's ``requests`` (`relay ps`): what runs and
+        waits here now, each with its client (``default``: relay has no clients yet) and
+        how long it has been in its present state."""
+        lines: list[dict[str, Any]] = redact.redact_obj([
+            {"provider": self.name, "model": entry["model"], "client": "default",
+             "priority": entry["priority"], "state": entry["state"],
+             "for_s": entry["running_s"] if entry["running_s"] is not None
+             else entry["queued_s"]}
+            for entry in self.requests(clock)])
+        return lines
 
     def status(self, clock: Clock) -> dict[str, Any]:
         """This provider's entry in ``GET /relay/v1/status`` (SPEC A3, 9)."""

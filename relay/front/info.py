@@ -108,7 +108,10 @@ async def _model(relay: Engine, model: str) -> dict[str, Any] | RelayError:
 
 async def _status(relay: Engine) -> dict[str, Any]:
     # Built without a checkpoint from one provider set: a reload swaps it whole (SPEC L10).
-    return {"providers": {name: p.status(relay.clock) for name, p in relay.providers.items()},
+    # ``requests``: what runs and waits now, every provider's (`relay ps`).
+    providers = relay.providers
+    return {"providers": {name: p.status(relay.clock) for name, p in providers.items()},
+            "requests": [line for p in providers.values() for line in p.ps(relay.clock)],
             "draining": relay.draining, "records": relay.records.status()}
 
 
