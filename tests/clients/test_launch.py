@@ -6,10 +6,10 @@ relay with no set-up of its own, and the user's files stay as they were.
   ``relay launch`` inside a network namespace that has only loopback, against
   ``relay serve`` on the packaged default config: each answers (rc 0, the fake's echo of
   the prompt), the record shows its request on ``fake/echo``, and the files of a fake
-  HOME full of the user's own settings for every agent keep their bytes. Until the
-  packaged default routes the agents' own default model names (another change of issue
-  36), Claude Code, Codex and the Gemini CLI are given ``--model fake/echo``; Qwen Code,
-  opencode and aider take relay's first model, which is that. A test skips, saying why,
+  HOME full of the user's own settings for every agent keep their bytes. Claude Code,
+  Codex and the Gemini CLI send their own default model names, which the packaged
+  default's pattern routes (SPEC F9) send to the fake; Qwen Code, opencode and aider
+  take relay's first model, ``fake/echo``. A test skips, saying why,
   when its agent, ``ip netns`` or root is missing.
 - A stand-in agent (a script named like the real one) shows what ``relay launch`` hands
   over — variables, flags, a settings file — and that it exits with the agent's code and
@@ -55,9 +55,11 @@ USER_FILES = {
 
 # (agent, its arguments, relay launch's own options): each answers PROMPT in one turn.
 RUNS = [
-    ("claude", ["-p", PROMPT], ["--model", "fake/echo"]),
-    ("codex", ["exec", "--skip-git-repo-check", PROMPT], ["--model", "fake/echo"]),
-    ("gemini", ["-p", PROMPT, "--skip-trust"], ["--model", "fake/echo"]),
+    # Claude Code, Codex and the Gemini CLI send their own default model names: the
+    # packaged default's pattern routes (SPEC F9) send them to the fake.
+    ("claude", ["-p", PROMPT], []),
+    ("codex", ["exec", "--skip-git-repo-check", PROMPT], []),
+    ("gemini", ["-p", PROMPT, "--skip-trust"], []),
     ("qwen", ["-p", PROMPT], []),
     ("opencode", ["run", PROMPT], []),
     ("aider", ["--message", PROMPT, "--no-git", "--dry-run", "--yes-always"], []),
