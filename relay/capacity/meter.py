@@ -15,7 +15,9 @@ from another model's: one model's empty bucket or 429 does not slow the others.
 Before the first answer (`Profile.first_starts`, N > 0): until a model has been answered
 once, at most N of its requests run at once; the first answer's headers (seconds away)
 tell relay the model's budgets, so a burst at start-up does not run into the limits it
-could have read. 0 turns this off (local servers and CLI tools, which send no headers).
+could have read. The others wait at most `FIRST_WAIT_S` after the first start (a long
+non-streamed answer brings its headers only at its end). 0 turns this off (local servers
+and CLI tools, which send no headers).
 
 The lane (`relay.capacity.lanes`) asks a `Meter` exactly what it asked a `Budget`; the
 grant is a `Grant`, the reservations it made in each budget.
@@ -41,6 +43,7 @@ from .budget import Budget, Learned, Need, Reservation
 __all__ = ["CACHE_LIFETIME_S", "MAX_MODELS", "Conversations", "Grant", "Meter", "scope_of"]
 
 MAX_MODELS = 256
+FIRST_WAIT_S = 10.0  # the longest the first-answer gate keeps a model's other requests
 _SUFFIX = re.compile(r"(?:-\d{8}|-\d{4}-\d{2}-\d{2}|-latest)$")
 
 
@@ -72,6 +75,7 @@ class Meter:
         self._limits: dict[str, ModelLimits] = {}
         self._answered: set[str] = set()  # scopes answered at least once
         self._first: dict[str, int] = {}  # scope: starts in flight before its first answer
+        self._first_at: dict[str, float] = {}  # scope: when its first start went
         self.on_change: Callable[[], None] = lambda: None
         self.update_profile(profile, limits)
 
@@ -129,10 +133,14 @@ class Meter:
                 or any(b.active for b in self._models.values()))
 
     # --- admission ------------------------------------------------------------------------
-    def _gated(self, scope: str) -> bool:
+    def _gated(self, scope: str, now: float) -> float:
+        """How long a start of ``scope`` still waits for its model's first answer (0:
+        none); never longer than `FIRST_WAIT_S` after its first start (an answer that
+        takes long, its headers with it, must not hold the others all that time)."""
         first = self._profile.first_starts
-        return (first > 0 and scope not in self._answered
-                and self._first.get(scope, 0) >= first)
+        if (first <= 0 or scope in self._answered or self._first.get(scope, 0) < first):
+            return 0.0
+        return max(0.0, self._first_at.get(scope, now) + FIRST_WAIT_S - now)
 
     def too_large(self, need: Need) -> tuple[str, int, float] | None:
         """(kind, need, limit) of a budget ``need`` could never fit; a need relay is not
@@ -158,8 +166,8 @@ class Meter:
                ) -> float:
         scope = need.scope if need is not None else None
         wait = max(b.wait_s(need, probe=probe, now=now) for b in self.budgets(scope))
-        if need is not None and not probe and self._gated(need.scope):
-            return math.inf  # woken when its model's first answer comes back
+        if need is not None and not probe:  # (woken sooner by its model's first answer)
+            wait = max(wait, self._gated(need.scope, self._clock() if now is None else now))
         return wait
 
     def waiting_for(self, need: Need | None, now: float | None = None) -> str | None:
@@ -168,7 +176,7 @@ class Meter:
             why = budget.waiting_for(need, now)
             if why is not None:
                 return why
-        if need is not None and self._gated(need.scope):
+        if need is not None and self._gated(need.scope, self._clock()):
             return (f"waiting for the provider's first answer for model {need.scope!r} "
                     f"(relay starts {self._profile.first_starts} before it has read the "
                     "model's limits)")
@@ -185,6 +193,7 @@ class Meter:
         first = self._profile.first_starts > 0 and need.scope not in self._answered
         if first:
             self._first[need.scope] = self._first.get(need.scope, 0) + 1
+            self._first_at.setdefault(need.scope, self._clock())
         return Grant(need, self._clock(), parts=tuple(parts), scope=need.scope,
                      first=first)
 
@@ -215,6 +224,7 @@ class Meter:
         self._ended(grant)
         if count:
             self._answered.add(grant.scope)
+            self._first_at.pop(grant.scope, None)
         for budget, part in grant.parts:
             budget.settle(part, used_in, used_out, count=count)
         self.on_change()
@@ -227,6 +237,7 @@ class Meter:
         (or carries the model's rate-limit headers) holds the model, else the account."""
         if scope:
             self._answered.add(scope)
+            self._first_at.pop(scope, None)
         mine = dict(own.parts) if isinstance(own, Grant) else {}
         windows = limits.windows if limits is not None else {}
         model = self._model(scope, create=bool(windows) or bool(

@@ -183,3 +183,20 @@ async def test_before_a_models_first_answer_few_start(
             assert lane_of(r).budget.status(lambda t: None)["first_answer_pending"] == []
         else:
             assert len(fake.rejected) >= 3  # all 8 lanes started at once, blind
+
+
+async def test_the_first_answer_gate_holds_the_others_ten_seconds_at_most(
+        nursery: trio.Nursery, clock: trio.testing.MockClock, tmp_path: Path) -> None:
+    # A non-streamed answer brings its headers only at its end, 30 s away here: the other
+    # requests start 10 s after the first ones, not 30 s.
+    fake: Metered = await nursery.start(functools.partial(
+        serve_metered, Limits(itpm=300_000, otpm=300_000)))
+    fake.first_token_s = 30.0
+    async with relay_for(tmp_path, config(fake.base_url, kind="anthropic")) as r:
+        start = trio.current_time()
+        burst = [send(nursery, r, ask(f"hello {i}", model="p/m-out20", max_tokens=20))
+                 for i in range(5)]
+        for res in burst:
+            await res.done.wait()
+        assert all(ok(res) for res in burst)
+        assert 40 <= trio.current_time() - start < 45  # (10 s, then a 30 s answer)
