@@ -101,8 +101,10 @@ def prose(tokens: int, seed: int = 0) -> str:
     """English-like text of about ``tokens`` of the fake's tokens."""
     rng = random.Random(seed)
     words: list[str] = []
-    while count_tokens(" ".join(words)) < tokens:
+    total = 0  # (spaces are free: the text's count is its words' sum)
+    while total < tokens:
         words.append(rng.choice(WORDS) + ("." if rng.random() < 0.07 else ""))
+        total += count_tokens(words[-1])
     return " ".join(words)
 
 
