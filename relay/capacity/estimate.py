@@ -320,6 +320,11 @@ class InputRatio:
             low = min(found.low(), found.ratio)
         return max(1, math.floor(estimate * low + 1e-9))
 
+    def known(self, model: str, script: str) -> bool:
+        """`RATIO_SURE` answers are kept: ``least`` rests on the provider's own counts."""
+        found = self._ratios.get((model, script))
+        return found is not None and len(found.logs) >= RATIO_SURE
+
     def learn(self, model: str, script: str, estimate: int, reported: int) -> bool:
         """A whole answer's reported prompt tokens against relay's estimate of its prompt
         (before `adjust`). A count of 0, or a ratio outside `RATIO_BOUNDS`, teaches nothing

@@ -35,7 +35,12 @@ Token budgets (SPEC L12) are one more thing the head of the queue waits for, exa
 waits for the pacer: a request brings its `Need` (estimated input, output reservation);
 the head starts only when its lane, the pacer, every budget of `Lane.budget` and any hold
 allow, and sleeps until the earliest moment they all do (no barging: the waiters behind it
-wait too, and no slot idles while it could start). The grant reserves its need; the
+wait too, and no slot idles while it could start). One exception, because budgets are per
+model (SPEC L12a, `relay.capacity.meter`): while the head waits only for its own model's
+budgets, a waiter of another model that could start now does (`Lane._passer`: the first
+in queue order whose model is not itself waiting) — one model's empty bucket never slows
+the others; the account's budgets, a hold on the account and the pacer are passed by
+nobody. The grant reserves its need; the
 dispatcher settles it once the answer's usage is known. A request whose need exceeds a
 budget's whole limit is refused at once (``request_too_large``); one that would still be
 held by the provider when its queue timeout passes — or that has a fallback to go to
@@ -72,6 +77,7 @@ from .pacer import Pacer
 __all__ = ["PRIORITIES", "Lane", "LaneStatistics", "Ticket"]
 
 PRIORITIES = {"interactive": 0, "normal": 1, "background": 2}
+_PASS_SCAN = 64  # waiters looked at for one that may pass a head waiting for its model
 _UNPACED = contextlib.nullcontext()
 
 
@@ -432,19 +438,48 @@ class Lane:
                 if ready > self._next_start and head.head_since is None:
                     head.head_since = now  # it waits for tokens, not for a slot
                 head.event.set()
-                return
-            waiter = heapq.heappop(self._heap)
-            self._borrowed += 1
-            self._held_since.append(now)
-            self._live -= 1
-            waiter.granted = True
-            waiter.granted_at = now
-            if waiter.head_since is not None:
-                waiter.token_wait_s = now - waiter.head_since
-            if self.budget.active:
-                waiter.reservation = self.budget.reserve(waiter.need)
-            self._pacer.add(now)
-            waiter.event.set()
+                passer = self._passer(head, now)
+                if passer is None:
+                    return
+                self._heap.remove(passer)
+                heapq.heapify(self._heap)
+                self._grant(passer, now)
+                continue
+            self._grant(heapq.heappop(self._heap), now)
+
+    def _passer(self, head: _Waiter, now: float) -> _Waiter | None:
+        """A waiter of another model that may start before a head waiting only for its
+        own model's budgets (SPEC L12a: one model's empty bucket does not slow the
+        others): the first in queue order whose model is not waiting, and that can start
+        now. A head held back by the pacer or the account's budgets is passed by nobody."""
+        if now < self._next_start or not self.budget.active:
+            return None
+        blocked: set[str] = set()
+        candidates = sorted(w for w in self._heap if not w.cancelled and not w.granted)
+        for waiter in candidates[:_PASS_SCAN]:
+            scope = waiter.need.scope if waiter.need is not None else ""
+            if scope in blocked:
+                continue
+            if self._ready_at(waiter, now) <= now:
+                return waiter if waiter is not head else None
+            if not self.budget.waits_for_model(waiter.need, now):
+                return None  # the account's budgets or a hold: nobody passes
+            blocked.add(scope)
+        return None
+
+    def _grant(self, waiter: _Waiter, now: float) -> None:
+        """Give ``waiter`` (taken off the queue) a slot, its reservation and a start."""
+        self._borrowed += 1
+        self._held_since.append(now)
+        self._live -= 1
+        waiter.granted = True
+        waiter.granted_at = now
+        if waiter.head_since is not None:
+            waiter.token_wait_s = now - waiter.head_since
+        if self.budget.active:
+            waiter.reservation = self.budget.reserve(waiter.need)
+        self._pacer.add(now)
+        waiter.event.set()
 
     def _forget(self, waiter: _Waiter) -> None:
         waiter.cancelled = True

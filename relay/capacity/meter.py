@@ -170,6 +170,15 @@ class Meter:
             wait = max(wait, self._gated(need.scope, self._clock() if now is None else now))
         return wait
 
+    def waits_for_model(self, need: Need | None, now: float) -> bool:
+        """A start of ``need`` waits only for its own model (its budgets, hold or first
+        answer), not for the account's: a request of another model may go before it."""
+        if need is None or not need.scope or self.account.wait_s(need, now=now) > 0:
+            return False
+        model = self._models.get(need.scope)
+        return ((model is not None and model.wait_s(need, now=now) > 0)
+                or self._gated(need.scope, now) > 0)
+
     def waiting_for(self, need: Need | None, now: float | None = None) -> str | None:
         scope = need.scope if need is not None else None
         for budget in self.budgets(scope):

@@ -82,8 +82,12 @@ def need_of(run_: Run, learned_from: Learned) -> Need:
     learned = learned_from.output(call.model)
     raw, script = estimate_input(call), script_of(call)
     # What this provider counted for this model's prompts in this script so far.
-    estimate = provider.input_ratio.adjust(call.model, script, raw)
-    least = provider.input_ratio.least(call.model, script, raw)
+    ratio = provider.input_ratio
+    estimate = ratio.adjust(call.model, script, raw)
+    # Judged too large on the fewest the provider may count once its own counts say so;
+    # until then on the learned estimate (a guess below it would send what never fits).
+    least = ratio.least(call.model, script, raw) if ratio.known(call.model, script) \
+        else estimate
     needed, sure = estimate, True
     if skips_cache_reads(provider) and marks_cache(call):  # (unmarked: nothing cached)
         uncached = provider.conversations.uncached(conversation_of(call), estimate)
