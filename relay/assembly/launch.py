@@ -262,7 +262,7 @@ def run(found: Plan) -> int:
 
 
 def main(args: argparse.Namespace, passed: list[str], daemon: Any) -> int:
-    """``relay launch`` (``daemon``: where `relay.assembly.cli.daemon_url` found relay)."""
+    """``relay launch`` (``daemon``: where `relay.assembly.remote.daemon_url` found relay)."""
     agent = AGENTS[args.agent]
     if not args.print_only and shutil.which(agent.command) is None:
         print(f"relay: {agent.command} is not installed ({agent.install})", file=sys.stderr)
