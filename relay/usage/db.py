@@ -136,7 +136,7 @@ def _minute(local: dt.datetime) -> int:
 
 def buckets(start: int, end: int, time: str | None) -> list[tuple[str, int, int]]:
     """``[start, end)`` (minutes) cut into local days or hours (``time``), each with its
-    label (``2025-01-31``, ``2025-01-31T14:00``); one unlabelled bucket without."""
+    label (``2025-01-31``, ``2025-01-31T14:00+01:00``); one unlabelled bucket without."""
     if time is None:
         return [("", start, end)]
     out: list[tuple[str, int, int]] = []
@@ -149,7 +149,7 @@ def buckets(start: int, end: int, time: str | None) -> list[tuple[str, int, int]
             here = here.replace(hour=0) + dt.timedelta(days=1)
             hi = _minute(here)
         else:  # an hour: 60 minutes, whatever the clock says (a DST change)
-            label = here.strftime("%Y-%m-%dT%H:00")
+            label = here.astimezone().isoformat(timespec="minutes")
             hi = lo + 60
             here = _local(hi)
         out.append((label, max(lo, start), min(hi, end)))
