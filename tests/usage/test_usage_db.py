@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
-from helpers.assembled import FAKE_ONLY, chat, start_relay, wait_for
+from helpers.assembled import FAKE_ONLY, chat, start_relay
 from helpers.faults import config, small_fs
 from helpers.usage_records import answered, expected, generated, lines, write_lines
 
@@ -65,8 +65,8 @@ async def test_the_database_is_the_records_to_the_cent_across_restarts_and_a_reb
     await run_until_matches(tmp_path, client, 3)
     # Deleted (with its journal): made again from the records, rotated ones included.
     for extra in ("", "-wal", "-shm"):
-        Path(f"{db}{extra}").unlink(missing_ok=True)
-    path.rename(path.with_name(path.name + ".1"))
+        await trio.Path(f"{db}{extra}").unlink(missing_ok=True)
+    await trio.Path(path).rename(path.with_name(path.name + ".1"))
     write_lines(path.with_name(path.name + ".2"), generated(50, seed=2))
     async with trio.open_nursery() as nursery:
         served = await start_relay(nursery, FAKE_ONLY, tmp_path)
