@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("CLI adapters", ("relay.adapters.cli",)),
     ("adapter registry", ("relay.adapters",)),
     ("config", ("relay.config",)),
+    ("usage", ("relay.usage",)),
     ("Redis client", ("relay.redis",)),
     ("capacity", ("relay.capacity",)),
     ("shared capacity", ("relay.shared",)),
@@ -48,6 +49,7 @@ ONLY: dict[str, set[str]] = {
     "shared capacity": {"vocabulary", "adapter API", "config", "Redis client", "capacity",
                         "shared capacity"},
     "dialects": {"vocabulary", "dialects"},  # pure: parse and render, no engine, no I/O
+    "usage": {"vocabulary", "usage"},  # the usage database: SQLite and the records' files
 }
 # A product folder holds at most this many modules (__init__ included): past it, the
 # folder has become two rooms.

@@ -6,6 +6,7 @@
     relay check [PROVIDER…] [--url URL] [--config FILE]
     relay launch AGENT [--model M] [--url URL] [--print] [-- ARGS…]
     relay ps [--url URL] [--config FILE] [--json]
+    relay usage [--since 7d|DATE] [--by day,client,…] [--json] [--db FILE|--records FILE…]
     relay service install|uninstall --systemd|--launchd [--config FILE] [--print]
 
 A config error prints every problem (file, table, key, what is wrong) and exits 2; so
@@ -34,7 +35,7 @@ from relay.front.guard import ACCESS_LOG
 from relay.shared.deployment import check_server
 from relay.vocab.errors import ConfigError
 
-from . import launch, service
+from . import launch, service, usage
 from .describe import describe_config
 from .remote import DEFAULT_URL, _check, _ps, _status, daemon_url
 from .server import ListenError, serve
@@ -87,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
                          "config's [server] host and port, else " + DEFAULT_URL + ")")
         cmd.add_argument("--config", help="the config whose [server] host and port to use "
                          "(default: ./profiles.toml if present, else the packaged default)")
+    usage.add_parser(sub)
     service = sub.add_parser("service", help="run relay as a systemd or launchd service")
     service_sub = service.add_subparsers(dest="service_command", required=True)
     for action in ("install", "uninstall"):
@@ -180,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         return service.uninstall(args.kind)
     if args.command == "check":
         return _check(daemon_url(args.url, args.config), args.providers)
+    if args.command == "usage":
+        return usage.main(args)
     if args.command == "ps":
         return _ps(daemon_url(args.url, args.config, announce=not args.json), args.json)
     return 2  # pragma: no cover - argparse refuses other commands

@@ -9,7 +9,8 @@ from typing import Any
 from relay.adapters import ADAPTERS
 from relay.config import Config, RouteConfig, best_pattern
 
-__all__ = ["AGENT_MODELS", "describe_config", "describe_records", "resolution"]
+__all__ = ["AGENT_MODELS", "describe_config", "describe_providers", "describe_records",
+           "resolution"]
 
 # The model names the coding agents send by default, seen on the wire from the versions
 # .ci/install-clis.sh pins (claude-code 2.1.332, codex 0.171.0, gemini-cli 0.61.0; Claude
@@ -163,6 +164,20 @@ def describe_requests(lines: list[dict[str, Any]]) -> str:
     rows = [("PROVIDER", "MODEL", "CLIENT", "PRIORITY", "STATE", "FOR")]
     rows += [(q["provider"], q["model"], q["client"], q["priority"], q["state"],
               _duration(q["for_s"])) for q in lines]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+                     .rstrip() for row in rows)
+
+
+def describe_providers(providers: dict[str, Any]) -> str:
+    """The status's providers as `relay status` prints them: a table of their lanes."""
+    rows = [("PROVIDER", "ADAPTER", "STATE", "RUNNING", "QUEUED", "MODELS")]
+    for name, p in providers.items():
+        lanes = p["lanes"]
+        state = p["state"] + (f" ({p['state_reason']})" if p.get("state_reason") else "")
+        rows.append((name, p["adapter"], state, f"{lanes['running']}/{lanes['capacity']}",
+                     f"{lanes['queued']}/{lanes['queue_max']}",
+                     ", ".join(p["models"][:4]) + (" …" if len(p["models"]) > 4 else "")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
                      .rstrip() for row in rows)

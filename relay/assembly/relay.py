@@ -50,6 +50,7 @@ async def open_relay(config: Config, *, discover: bool = True,
     records = RecordWriter(config.records_path, max_bytes=config.server.records_max_bytes,
                            keep=config.server.records_keep, clock=clock)
     redact.install(records, config.secrets())  # SPEC E1 (keyed by this relay's writer)
+    relay: Relay | None = None
     try:
         async with trio.open_nursery() as nursery:
             relay = Relay(config, registry, records, nursery)
@@ -59,10 +60,17 @@ async def open_relay(config: Config, *, discover: bool = True,
                     nursery.start_soon(providers.discover, provider)
             nursery.start_soon(serve_checks, relay)
             nursery.start_soon(records.serve_retries)  # a failing records file (SPEC O5)
+            if relay.usage is not None:
+                nursery.start_soon(relay.usage.serve)  # the usage database (SPEC O7)
             try:
                 yield relay
             finally:
                 nursery.cancel_scope.cancel()
     finally:
         records.close()
-        redact.uninstall(records)
+        try:
+            if relay is not None and relay.usage is not None:
+                # What the records writer wrote last, into the database (shielded).
+                await relay.usage.close(config.server.drain_grace_s)
+        finally:
+            redact.uninstall(records)

@@ -12,7 +12,7 @@ from pathlib import Path
 from relay.api.http import get_json, post_json
 from relay.config import PACKAGED_DEFAULT, default_config_path
 
-from .describe import describe_records, describe_requests
+from .describe import describe_providers, describe_records, describe_requests
 
 __all__ = ["DEFAULT_URL", "daemon_url"]
 
@@ -114,16 +114,7 @@ def _status(daemon: _Daemon) -> int:
         print(f"relay: status answered {code}: {body.get('error', {}).get('message')}",
               file=sys.stderr)
         return 1
-    rows = [("PROVIDER", "ADAPTER", "STATE", "RUNNING", "QUEUED", "MODELS")]
-    for name, p in body["providers"].items():
-        lanes = p["lanes"]
-        state = p["state"] + (f" ({p['state_reason']})" if p.get("state_reason") else "")
-        rows.append((name, p["adapter"], state, f"{lanes['running']}/{lanes['capacity']}",
-                     f"{lanes['queued']}/{lanes['queue_max']}",
-                     ", ".join(p["models"][:4]) + (" …" if len(p["models"]) > 4 else "")))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    print(describe_providers(body["providers"]))
     records = body.get("records")
     if isinstance(records, dict):  # (absent from a daemon older than issue 29)
         print(describe_records(records))

@@ -22,6 +22,7 @@ from relay.capacity.lanes import Lane
 from relay.config import Config, load_config
 from relay.shared.coordinator import Coordinator
 from relay.shared.lane import SharedLane
+from relay.usage.store import UsageStore
 from relay.vocab import redact
 from relay.vocab.errors import ConfigError, RelayError
 from relay.vocab.profile import ProviderConfig
@@ -62,6 +63,9 @@ class Engine:
         self.responses = ResponseStore()  # /v1/responses' store (SPEC A7): in memory only
         # SPEC L11: the shared lanes' server, when any provider is shared.
         self.coordinator: Coordinator | None = None
+        # SPEC O7: the usage database beside the records (None: records are off).
+        self.usage = (UsageStore(config.records_path) if config.records_path is not None
+                      else None)
         records.relay_id = config.relay_id
 
     # --- providers and their adapters ------------------------------------------------------

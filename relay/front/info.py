@@ -112,7 +112,8 @@ async def _status(relay: Engine) -> dict[str, Any]:
     providers = relay.providers
     return {"providers": {name: p.status(relay.clock) for name, p in providers.items()},
             "requests": [line for p in providers.values() for line in p.ps(relay.clock)],
-            "draining": relay.draining, "records": relay.records.status()}
+            "draining": relay.draining, "records": relay.records.status(),
+            "usage": None if relay.usage is None else relay.usage.status()}
 
 
 # The model list and lookup, for the other dialects' model routes (Gemini's, SPEC A9).

@@ -51,6 +51,11 @@ RUN_BUCKETS = (0.05, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200)
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
+# relay_tokens_total's kinds, and the keys of a record's usage they are read from.
+_KINDS = (("input", "prompt_tokens"), ("output", "completion_tokens"),
+          ("cache_read", "cache_read_tokens"), ("cache_write", "cache_write_tokens"))
+
+
 class _Counter:
     """A counter family: one value per label set."""
 
@@ -119,6 +124,14 @@ class Metrics:
         self.tokens_used = _Counter(
             "relay_tokens_used", "Tokens requests used at providers (their reported usage; "
             "relay's estimate where none was reported), SPEC L12", ["provider"])
+        self.tokens = _Counter(
+            "relay_tokens", "Tokens of the requests' usage (kind: input — the whole prompt, "
+            "cache included — output, cache_read, cache_write), by client, provider and "
+            "model, connection checks included (SPEC O7)",
+            ["client", "provider", "model", "kind"])
+        self.cost = _Counter(
+            "relay_cost_usd", "US dollars the requests cost, where their price is known, by "
+            "client, provider and model (SPEC O7)", ["client", "provider", "model"])
         self.token_wait = _Histogram(
             "relay_token_wait_seconds", "Of a request's queue time, how long it waited "
             "for its provider's token budget or hold (SPEC L12)", ["provider"],
@@ -129,6 +142,8 @@ class Metrics:
         """Count one ended request (the record writer calls this for every record)."""
         provider = record.provider or NO_PROVIDER
         reason = record.reason or "ok"
+        if record.usage or getattr(record, "cost_usd", None) is not None:
+            self._usage(record, provider)
         if record.route == "(check)":
             self.checks.inc(provider, reason)
             return
@@ -146,6 +161,20 @@ class Metrics:
             if record.released_at is not None:  # None: it was stopped before it held a lane
                 lag = max(0.0, record.released_at - record.stop_requested_at)
                 self.release_lag.observe(lag, provider)
+
+    def _usage(self, record: Record, provider: str) -> None:
+        """SPEC O7: the record's tokens by kind, and its cost when known (``client`` and
+        ``cost_usd`` are read where the record has them: ``default``, unknown)."""
+        client = getattr(record, "client", None) or "default"
+        model = record.model or ""
+        usage = record.usage or {}
+        for kind, key in _KINDS:
+            count = usage.get(key)
+            if type(count) is int and count > 0:
+                self.tokens.inc(client, provider, model, kind, amount=count)
+        cost = getattr(record, "cost_usd", None)
+        if isinstance(cost, int | float) and not isinstance(cost, bool) and cost >= 0:
+            self.cost.inc(client, provider, model, amount=float(cost))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of everything above."""
@@ -203,7 +232,7 @@ class _LiveCollector:
         from prometheus_client.samples import Sample
         m = self.metrics
         for counted in (m.requests, m.checks, m.queue_seconds, m.run_seconds, m.stops,
-                        m.release_lag, m.tokens_used, m.token_wait):
+                        m.release_lag, m.tokens_used, m.token_wait, m.tokens, m.cost):
             yield counted.family()
         families = self._families()
         running, capacity, queued, queue_max, state, in_flight, draining, held = families

@@ -92,6 +92,7 @@ SERVED: tuple[Served, ...] = (
     Served("/relay/v1/fanout", ("POST",), "fanout", OPENAI),
     Served("/relay/v1/status", ("GET",), "info"),
     Served("/relay/v1/requests", ("GET",), "quart"),
+    Served("/relay/v1/usage", ("GET",), "quart"),
     Served("/relay/v1/providers/<name>/check", ("POST",), "quart"),
     Served("/relay/v1/reload", ("POST",), "quart"),
     Served("/metrics", ("GET",), "quart"),

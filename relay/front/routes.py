@@ -14,6 +14,7 @@ responses silently); relay owns its deadlines. Every error here is an E1 body to
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ from werkzeug.exceptions import HTTPException
 
 from relay.engine.checks import check_provider
 from relay.engine.engine import Engine
+from relay.usage.report import DEFAULT_BY, answer, parse_by, parse_since, window
 from relay.vocab.errors import ConfigError, RelayError
 
 from .metrics import CONTENT_TYPE, Metrics
@@ -74,6 +76,28 @@ def make_quart_app(relay: Engine, metrics_: Metrics) -> QuartTrio:
         count = 200 if len(digits) > 3 else min(int(digits or "0"), 200)
         recent = relay.records.recent[-count:] if count else []
         return Response(_json({"requests": recent[::-1]}), content_type="application/json")
+
+    @route("/relay/v1/usage")
+    async def usage() -> Response:
+        """Usage from the database (SPEC O7): ``?since=`` (default today) and ``?by=``
+        as `relay usage` reads them; its JSON answer. The status page's panel."""
+        store = relay.usage
+        if store is None:
+            return _error(RelayError("invalid_request", "relay keeps no records ([server] "
+                                     "records is off), so it keeps no usage", status=404))
+        try:
+            since = parse_since(request.args.get("since", "today"))
+            by = parse_by(request.args.get("by", DEFAULT_BY))
+        except ValueError as exc:
+            return _error(RelayError("invalid_request", str(exc)))
+        start, end = window(since)
+        try:
+            rows = await store.query(start, end, by)
+        except (sqlite3.Error, OSError) as exc:
+            return _error(RelayError("internal_error", f"the usage database {store.path} "
+                                     f"cannot be read: {exc}", status=503))
+        return Response(_json(answer(rows, start, end, by, f"database {store.path}")),
+                        content_type="application/json")
 
     @route("/metrics")
     async def metrics() -> Response:

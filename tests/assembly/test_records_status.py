@@ -36,7 +36,7 @@ async def records_status(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
     r = await client.get(f"{url}/relay/v1/status")
     assert r.status_code == 200, r.text
     body: dict[str, Any] = r.json()
-    assert set(body) == {"providers", "requests", "draining", "records"}
+    assert set(body) == {"providers", "requests", "draining", "records", "usage"}
     return body["records"]  # type: ignore[no-any-return]
 
 
