@@ -37,6 +37,8 @@ CHECKS = {
     "order": "priority order and FIFO within a class for every start (no barging)",
     "error": "capacity errors are 429, phase capacity, with a retry time",
     "end": "0 running, 0 queued at the end, and wait_idle() returns",
+    "budget": "a start never takes more input tokens than the bucket holds (--tokens)",
+    "turns": "clients that both wait start within weighted round robin's bound (--clients)",
 }
 
 
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arrivals", type=int, default=150, help="requests per seed")
     parser.add_argument("--mutant", choices=sorted(MUTANTS), help="a fixed bug put back")
     parser.add_argument("--verbose", action="store_true", help="print every violation")
+    parser.add_argument("--clients", action="store_true",
+                        help="requests from a few weighted clients, one in bursts (SPEC L14)")
     args = parser.parse_args(argv)
     seeds = [args.seed] if args.seed is not None else list(
         range(args.start, args.start + args.seeds))
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     bad: dict[int, list[str]] = {}
     started = time.perf_counter()
     for seed in seeds:
-        report = run_seed(factory, seed, arrivals=args.arrivals)
+        report = run_seed(factory, seed, arrivals=args.arrivals, clients=args.clients)
         totals.update(report.counts)
         if report.violations:
             kinds.update(v.kind for v in report.violations)
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(lines) > len(shown):
             print(f"  ... {len(lines) - len(shown)} more in seed {seed}")
         print(f"  reproduce: python -m bench.lane_fuzz --seed {seed} --verbose"
-              + (f" --mutant {args.mutant}" if args.mutant else ""))
+              + (f" --mutant {args.mutant}" if args.mutant else "")
+              + (" --clients" if args.clients else ""))
     return 1
 
 

@@ -10,6 +10,10 @@ queue timeout, the pacer) and holds one slot for the body, given back only after
 handed back, never leaked. A shared lane may also end the body itself: when this relay
 cannot renew the slot's lease in time, the body is cancelled and the ``async with`` raises
 ``coordination_lost`` (before the lease can expire on the server).
+
+Turns between clients inside a class (SPEC L14) are the local lane's so far:
+``Lane.slot(priority, client=..., weight=...)``; a shared lane's queue is FIFO inside a
+class across relays (docs/architecture.md, "The queue's rule").
 """
 
 from __future__ import annotations

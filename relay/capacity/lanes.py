@@ -1,11 +1,29 @@
 """Lanes: how many requests a provider runs at once, and the queue in front of them.
 
-Theory of operation. A `Lane` owns ``capacity`` slots. ``async with lane.slot(priority)``
-either takes a free slot at once or waits in a priority queue (interactive before
-normal before background, FIFO inside a class, SPEC L8). A freed slot is handed straight
-to the next waiter (no barging), and only when the pacer allows a start (SPEC L9): the
-waiter itself sleeps until the pacer's next start time, so the wait counts as queue time,
-is cancellable, and no slot is taken while it cannot be used.
+Theory of operation. A `Lane` owns ``capacity`` slots. ``async with lane.slot(priority,
+client=...)`` either takes a free slot at once or waits in one priority queue
+(interactive before normal before background, SPEC L8; inside a class, clients take
+turns, SPEC L14 — below). A freed slot is handed straight to the head of the queue (no
+barging), and only when the pacer allows a start (SPEC L9): the waiter itself sleeps
+until the pacer's next start time, so the wait counts as queue time, is cancellable, and
+no slot is taken while it cannot be used.
+
+Turns between clients (SPEC L14), start-time fair queueing inside each class. Each class
+has a virtual clock ``V``: the turn (virtual start tag) of the latest start in that
+class. A request of client ``k`` gets the tag ``S = max(V, F[k])`` when it queues (or
+starts at once), and its client's next free turn becomes ``F[k] = S + 1 / weight``. The
+queue's order is ``(class, S, arrival)``. So a client's own requests keep their order
+(its tags grow); two clients that both wait start in the ratio of their weights (a
+weight-2 client's tags step by 1/2: two starts for one); and a client that was idle
+rejoins at ``V`` — no credit saved up while away — so a request of a client with nothing
+waiting is behind at most one waiter of each other client (the ones whose tag is ``V``
+too, arrived earlier): a burst of 200 delays it by at most one start per waiting client,
+never the burst. With a single client (``default``: relay without ``[clients]``) the
+order is exactly FIFO inside a class. A waiter that leaves without starting (its client
+gone, its queue timeout, a grant handed back in its own tick) gives its turn back: its
+client's later waiters in that class move up one turn each, so leaving never costs the
+client a turn. `Lane.estimate` counts only the waiters that rank before a new request's
+tag: a new client's request waits about one start per waiting client, not the queue.
 
 The pacer is a sliding window: at most ``rpm`` starts in any 60 s (`Pacer`). A burst
 below ``rpm`` starts at once — as a provider's own request limit allows it (a continuous
@@ -35,18 +53,20 @@ Token budgets (SPEC L12) are one more thing the head of the queue waits for, exa
 waits for the pacer: a request brings its `Need` (estimated input, output reservation);
 the head starts only when its lane, the pacer, every budget of `Lane.budget` and any hold
 allow, and sleeps until the earliest moment they all do (no barging: the waiters behind it
-wait too, and no slot idles while it could start). One exception, because budgets are per
-model (SPEC L12a, `relay.capacity.meter`): while the head waits only for its own model's
-budgets, a waiter of another model that could start now does (`Lane._passer`: the first
-in queue order whose model is not itself waiting) — one model's empty bucket never slows
-the others; the account's budgets, a hold on the account and the pacer are passed by
-nobody. The grant reserves its need; the
+wait too, and no slot idles while it could start). The head is the head of the fair
+order (turns between clients, below). One exception, because budgets are per model (SPEC
+L12a, `relay.capacity.meter`): while the head waits only for its own model's budgets, a
+waiter of another model that could start now does (`Lane._passer`: the first in the fair
+order whose model is not itself waiting) — one model's empty bucket never slows the
+others; the account's budgets, a hold on the account and the pacer are passed by nobody,
+and a waiter of the head's own model never passes it. The grant reserves its need; the
 dispatcher settles it once the answer's usage is known. A request whose need exceeds a
 budget's whole limit is refused at once (``request_too_large``); one that would still be
 held by the provider when its queue timeout passes — or that has a fallback to go to
 (``leave_if_held``) — leaves at once with the hold's Retry-After.
 
-`tests/helpers/lane_fuzz.py` checks these rules at every step of random runs (SPEC L7-L10).
+`tests/helpers/lane_fuzz.py` checks these rules at every step of random runs (SPEC L7-L10,
+and the turns between clients of L14).
 
 All bookkeeping is synchronous between checkpoints, so no lock is needed.
 """
@@ -104,6 +124,9 @@ class Ticket:
 class _Waiter:
     rank: int
     seq: int
+    client: str = "default"
+    tag: float = 0.0  # its turn: its virtual start in its class (SPEC L14)
+    step: float = 1.0  # 1 / its client's weight: how far its start moves its client on
     event: trio.Event = attrs.field(factory=trio.Event)
     granted: bool = False
     cancelled: bool = False
@@ -116,7 +139,7 @@ class _Waiter:
     held_by: str | None = None
 
     def __lt__(self, other: _Waiter) -> bool:
-        return (self.rank, self.seq) < (other.rank, other.seq)
+        return (self.rank, self.tag, self.seq) < (other.rank, other.tag, other.seq)
 
 
 class Lane:
@@ -132,6 +155,10 @@ class Lane:
         self._live = 0  # waiters neither granted nor cancelled
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
+        # Turns between clients (SPEC L14): per class, the virtual clock (the tag of the
+        # latest start); per class and client, the client's next free turn.
+        self._vtime = [0.0] * len(PRIORITIES)
+        self._turns: dict[tuple[int, str], float] = {}
         # The pacer (SPEC L9): at most rpm starts in any 60 s, with the current profile's.
         self._pacer = Pacer()
         # How long a slot is held, for honest Retry-After figures: the adapter's typical
@@ -219,15 +246,17 @@ class Lane:
         await trio.lowlevel.checkpoint()
         return True
 
-    def estimate_wait_s(self, priority: str = "normal") -> float:
-        """When a request of ``priority`` arriving now could expect to start (seconds from
-        now; for Retry-After). See `estimate`."""
-        return self.estimate(priority)[0]
+    def estimate_wait_s(self, priority: str = "normal", client: str = "default") -> float:
+        """When a request of ``priority`` from ``client`` arriving now could expect to
+        start (seconds from now; for Retry-After). See `estimate`."""
+        return self.estimate(priority, client)[0]
 
-    def estimate(self, priority: str = "normal") -> tuple[float, list[float], float, int]:
-        """When a request of ``priority`` arriving now could expect to start, and what
-        that rests on: ``(wait_s, left_s, call_s, ahead)`` — what each running request
-        has left (shortest first), the expected call time, the waiters ahead.
+    def estimate(self, priority: str = "normal", client: str = "default",
+                 ) -> tuple[float, list[float], float, int]:
+        """When a request of ``priority`` from ``client`` arriving now could expect to
+        start, and what that rests on: ``(wait_s, left_s, call_s, ahead)`` — what each
+        running request has left (shortest first), the expected call time, the waiters
+        ahead of it.
 
         Each running request has left what its expected call time leaves after what it
         has run — or, once it has run longer than expected, as long again as it is over
@@ -236,9 +265,12 @@ class Lane:
         lane's average hold (the adapter's typical call time until one is seen), or the
         median of what the running requests have run so far when that is longer (the
         average is stale: no request has finished, or the calls got longer). The
-        ``ahead`` waiters of the same or a higher class then take the slots as they come
-        free, one expected call each, and the pacer lets at most rpm of those starts and
-        the last minute's fall in any 60 s.
+        ``ahead`` waiters — every waiter of a higher class, and those of its own class
+        whose turn comes before the turn it would get (SPEC L14: for a client with
+        nothing waiting, at most one per waiting client) — then take the slots as they
+        come free, one expected call each, and the pacer lets at most rpm of those starts
+        and the last minute's fall in any 60 s. (Later arrivals of a higher class, or of
+        another client whose turn ties, may still go first: it is an estimate.)
         """
         now = trio.current_time()
         rank = PRIORITIES.get(priority, PRIORITIES["normal"])
@@ -255,7 +287,9 @@ class Lane:
         # reload took lanes away) must end before their slot counts.
         free = [0.0] * max(0, lanes - len(left)) + left[max(0, len(left) - lanes):]
         heapq.heapify(free)
-        ahead = sum(1 for w in self._heap if not w.cancelled and w.rank <= rank)
+        turn = self._turn_of(rank, client)
+        ahead = sum(1 for w in self._heap if not w.cancelled and (
+            w.rank < rank or (w.rank == rank and w.tag <= turn)))
         pacer = self._pacer.copy(now)  # its window, from now (a simulation's own)
         steps = min(ahead, 4096) + 1
         start = 0.0
@@ -269,13 +303,17 @@ class Lane:
         return max(0.0, start), left, call, ahead
 
     def slot(
-        self, priority: str = "normal", *, on_queued: Callable[[], None] | None = None,
+        self, priority: str = "normal", *, client: str = "default", weight: float = 1.0,
+        on_queued: Callable[[], None] | None = None,
         need: Need | None = None, leave_if_held: bool = False, probe: bool = False,
     ) -> _Slot:
         """Hold one slot for the body of the ``async with``.
 
         Args:
             priority: ``interactive``, ``normal`` or ``background``.
+            client: who asks (SPEC L14): inside a class, clients take turns.
+            weight: the client's share of the turns (a weight-2 client starts twice as
+                often as a weight-1 one while both wait); positive and finite.
             on_queued: called (synchronously) when the request has to wait.
             need: its token budgets' need (SPEC L12); None: it takes no tokens.
             leave_if_held: leave at once while the provider holds every start (the
@@ -287,7 +325,41 @@ class Lane:
             RelayError: ``provider_queue_full``, ``provider_queue_timeout``,
                 ``request_too_large``; ``rate_limited`` when held (see above).
         """
-        return _Slot(self, priority, on_queued, need, leave_if_held, probe)
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ValueError(f"a client's weight must be positive and finite, not {weight!r}")
+        return _Slot(self, priority, on_queued, need, leave_if_held, probe, client,
+                     1.0 / weight)
+
+    # --- turns between clients (SPEC L14; the module docstring) -----------------------------
+    def _turn_of(self, rank: int, client: str) -> float:
+        """The turn a request of ``client`` in class ``rank`` would get now."""
+        return max(self._vtime[rank], self._turns.get((rank, client), -math.inf))
+
+    def _take_turn(self, rank: int, client: str, step: float) -> float:
+        """Give a request its turn (it queues or starts now); its client's next moves on."""
+        turn = self._turn_of(rank, client)
+        self._turns[(rank, client)] = turn + step
+        if len(self._turns) > 2 * self._live + 64:  # forget clients the clock has passed
+            self._turns = {key: f for key, f in self._turns.items()
+                           if f > self._vtime[key[0]]}
+        return turn
+
+    def _started_turn(self, rank: int, turn: float) -> None:
+        self._vtime[rank] = max(self._vtime[rank], turn)
+
+    def _give_turn_back(self, gone: _Waiter) -> None:
+        """A waiter left without starting: its client's later waiters in its class move
+        up one turn each (from its turn on), so leaving costs the client no turn."""
+        later = sorted((w for w in self._heap
+                        if w.client == gone.client and w.rank == gone.rank
+                        and w.seq > gone.seq and not w.cancelled and not w.granted),
+                       key=lambda w: w.seq)
+        turn = gone.tag
+        for w in later:
+            w.tag, turn = turn, turn + w.step
+        self._turns[(gone.rank, gone.client)] = turn
+        if later:
+            heapq.heapify(self._heap)
 
     def _ready_at(self, waiter: _Waiter | None, now: float) -> float:
         """When ``waiter`` (the head) could start: the pacer, its budgets, a hold."""
@@ -303,13 +375,14 @@ class Lane:
             heapq.heappop(self._heap)
         return self._heap[0] if self._heap else None
 
-    def _held_error(self, priority: str, why: str, scope: str) -> RelayError:
+    def _held_error(self, priority: str, why: str, scope: str,
+                    client: str = "default") -> RelayError:
         return held_error(self.name, self.budget.holder(scope), why,
-                          max(1.0, self.estimate(priority)[0],
+                          max(1.0, self.estimate(priority, client)[0],
                               self.budget.hold_left(scope=scope)))
 
     def _refuse_early(self, need: Need | None, leave_if_held: bool, probe: bool,
-                      priority: str, now: float) -> None:
+                      priority: str, now: float, client: str) -> None:
         """Before queueing (SPEC L12): a need larger than a whole budget never starts;
         a hold goes on past the queue timeout, or the request has a fallback to go to."""
         if need is not None and (found := self.budget.too_large(need)):
@@ -320,7 +393,7 @@ class Lane:
             raise self._held_error(priority, "it has a fallback to go to" if leave_if_held
                                    else "longer than this request may wait "
                                    f"(queue_timeout_s {self._profile.queue_timeout_s:g})",
-                                   scope)
+                                   scope, client)
 
     def _still_held(self, waiter: _Waiter, leave_if_held: bool, deadline: float,
                     priority: str) -> None:
@@ -337,11 +410,13 @@ class Lane:
             waiter.held_by = hold.cause
         if leave_if_held or current + held > deadline:
             raise self._held_error(priority, "it has a fallback to go to" if leave_if_held
-                                   else "past this request's queue timeout", scope)
+                                   else "past this request's queue timeout", scope,
+                                   waiter.client)
 
     async def _acquire(self, priority: str, on_queued: Callable[[], None] | None,
                        need: Need | None = None, leave_if_held: bool = False,
-                       probe: bool = False) -> Ticket:
+                       probe: bool = False, client: str = "default",
+                       step: float = 1.0) -> Ticket:
         # long because a waiter's whole life reads best whole: refusals, the fast path,
         # its wake-ups (slot, pacer, budgets, holds), and the hand-back on a cancel.
         rank = PRIORITIES.get(priority)
@@ -351,20 +426,23 @@ class Lane:
         now = trio.current_time()
         budget = self.budget if self.budget.active else None
         if budget is not None:
-            self._refuse_early(need, leave_if_held, probe, priority, now)
+            self._refuse_early(need, leave_if_held, probe, priority, now, client)
         ticket = Ticket(priority=priority, queued_at=now)
         self._busy()
         if (self._borrowed < self._profile.lanes and self._live == 0
                 and now >= self._next_start
                 and (budget is None or budget.wait_s(need, probe=probe, now=now) == 0)):
             self._take(ticket, now)  # (a cancel point above; the schedule point is the
+            self._started_turn(rank, self._take_turn(rank, client, step))
             ticket.reservation = self.budget.reserve(need) if budget else None
             return ticket            # holder's next wait: no trip through the scheduler)
         if self._live >= self._profile.queue_max:
             self._maybe_idle()
-            raise self._capacity_error("provider_queue_full", priority=priority)
+            raise self._capacity_error("provider_queue_full", priority=priority,
+                                       client=client)
 
-        waiter = _Waiter(rank, next(self._seq), need=need, probe=probe)
+        waiter = _Waiter(rank, next(self._seq), client, self._take_turn(rank, client, step),
+                         step, need=need, probe=probe)
         heapq.heappush(self._heap, waiter)
         self._live += 1
         deadline = now + self._profile.queue_timeout_s
@@ -405,7 +483,7 @@ class Lane:
             waited = trio.current_time() - now
             raise (self._budget_timeout(waiter.need, waited)
                    or self._capacity_error("provider_queue_timeout", waited_s=waited,
-                                           priority=priority))
+                                           priority=priority, client=client))
         ticket.started_at = waiter.granted_at
         ticket.reservation = waiter.reservation
         ticket.token_wait_s = waiter.token_wait_s
@@ -419,8 +497,10 @@ class Lane:
         self._pacer.add(now)
 
     def _unstart(self, waiter: _Waiter) -> None:
-        """A grant handed straight back was no start: the pacer forgets it."""
+        """A grant handed straight back was no start: the pacer forgets it, and its
+        client keeps its turn."""
         self._pacer.remove(waiter.granted_at)
+        self._give_turn_back(waiter)
 
     def _hand_off(self) -> None:
         """Give free slots to the first waiters, as far as the pacer and the token
@@ -474,6 +554,7 @@ class Lane:
         self._live -= 1
         waiter.granted = True
         waiter.granted_at = now
+        self._started_turn(waiter.rank, waiter.tag)
         if waiter.head_since is not None:
             waiter.token_wait_s = now - waiter.head_since
         if self.budget.active:
@@ -484,6 +565,7 @@ class Lane:
     def _forget(self, waiter: _Waiter) -> None:
         waiter.cancelled = True
         self._live -= 1
+        self._give_turn_back(waiter)
         # It may have been the head, woken to sleep until the pacer's next start for a
         # free slot: hand off again, or that slot idles until every waiter times out.
         self._hand_off()
@@ -511,9 +593,9 @@ class Lane:
         self._give_back()
 
     def _capacity_error(self, reason: str, waited_s: float | None = None,
-                        priority: str = "normal") -> RelayError:
+                        priority: str = "normal", client: str = "default") -> RelayError:
         stats = self.statistics()
-        wait, left, call, ahead = self.estimate(priority)
+        wait, left, call, ahead = self.estimate(priority, client)
         retry = max(1.0, wait)
         numbers = (f"{stats.running}/{stats.capacity} running, {stats.queued} queued "
                    f"(queue_max {stats.queue_max})")
@@ -584,18 +666,22 @@ class _Slot:
     """`Lane.slot`'s context manager: acquire on entry, release on exit, whatever ends the
     body. A class, not ``@asynccontextmanager``: a generator cost more than the lane."""
 
-    __slots__ = ("_lane", "_leave", "_need", "_on_queued", "_priority", "_probe", "_ticket")
+    __slots__ = ("_client", "_lane", "_leave", "_need", "_on_queued", "_priority", "_probe",
+                 "_step", "_ticket")
 
     def __init__(self, lane: Lane, priority: str,
                  on_queued: Callable[[], None] | None, need: Need | None = None,
-                 leave_if_held: bool = False, probe: bool = False) -> None:
+                 leave_if_held: bool = False, probe: bool = False,
+                 client: str = "default", step: float = 1.0) -> None:
         self._lane, self._priority, self._on_queued = lane, priority, on_queued
         self._need, self._leave, self._probe = need, leave_if_held, probe
+        self._client, self._step = client, step
         self._ticket: Ticket | None = None
 
     async def __aenter__(self) -> Ticket:
         self._ticket = await self._lane._acquire(self._priority, self._on_queued,
-                                                 self._need, self._leave, self._probe)
+                                                 self._need, self._leave, self._probe,
+                                                 self._client, self._step)
         return self._ticket
 
     async def __aexit__(self, exc_type: type[BaseException] | None,

@@ -66,6 +66,10 @@ class Dispatcher:
         self.stream = stream
         self.runs: list[Run] = []
         self.notices: LaneNotices | None = None  # made when it runs (it needs the nursery)
+        # Who asks (SPEC L14): inside a priority class, clients take turns in a lane's
+        # queue, weighted by their weight. "default": relay without [clients].
+        self.client: str = "default"
+        self.client_weight: float = 1.0
 
     @property
     def heartbeat_s(self) -> float:

@@ -13,7 +13,10 @@ The dispatcher calls these around the adapter, inside the attempt's lane slot:
 - `wait_out`: whether a 429 that set a hold is waited out on the same target (a stream
   whose 200 is already out never ends in a 429 it could have waited out).
 
-A shared lane (SPEC L11) has no budgets here: its slot is taken as it always was.
+A shared lane (SPEC L11) has no budgets here: its slot is taken as it always was. The
+request's client and weight (SPEC L14: turns between clients inside a class) go to a
+local lane; a shared lane's queue on the coordination server is still FIFO inside a
+class across relays (turns there are not built yet: docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class Attempting(Protocol):
     """What metering reads of the request whose attempts it meters (the dispatcher)."""
 
     priority: str
+    client: str  # who asks, and its share of the turns (SPEC L14)
+    client_weight: float
     plan: Plan
     record: Record
     stream: bool
@@ -156,7 +161,8 @@ def slot(dispatcher: Attempting, run_: Run, on_queued: Callable[[], None]
                             probe=dispatcher.record.route == "(check)")
     if not isinstance(lane, Lane):
         return lane.slot(priority, on_queued=on_queued)
-    return lane.slot(priority, on_queued=on_queued, need=need_of(run_, lane.budget.learned),
+    return lane.slot(priority, client=dispatcher.client, weight=dispatcher.client_weight,
+                     on_queued=on_queued, need=need_of(run_, lane.budget.learned),
                      leave_if_held=run_.has_fallback,
                      probe=dispatcher.record.route == "(check)")
 

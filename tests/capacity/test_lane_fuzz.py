@@ -37,6 +37,24 @@ def test_the_lane_keeps_every_rule_while_the_pacer_binds(seed: int) -> None:
     assert report.counts.get("started after waiting", 0) > 0
 
 
+@pytest.mark.parametrize("seed", range(16))
+def test_the_lane_keeps_every_rule_with_clients_taking_turns(seed: int) -> None:
+    # SPEC L14: a few clients with weights, one in bursts; the fuzz checks turns (weighted
+    # round robin's bound while two clients wait) and each client's own order.
+    report = run_seed(local_lane, seed, clients=True, tokens=seed % 4 == 3)
+    assert [str(v) for v in report.violations] == [], report.profile
+    assert report.counts.get("turn checks", 0) > 0
+
+
+def test_turns_are_checked_often() -> None:
+    starts = checks = 0
+    for seed in range(8):
+        counts = run_seed(local_lane, seed, clients=True).counts
+        starts += counts.get("started after waiting", 0)
+        checks += counts.get("turn checks", 0)
+    assert starts > 100 and checks > 1000, (starts, checks)
+
+
 def test_the_fuzz_exercises_what_it_claims() -> None:
     totals: dict[str, int] = {}
     for seed in SEEDS:
@@ -55,12 +73,17 @@ def test_the_fuzz_exercises_what_it_claims() -> None:
     ("forget-no-hand-off", "idle", True),
     ("handed-back-grant-paced", "idle", False),
     ("wait-idle-early", "wait_idle", False),
+    # SPEC L14: no turns at all (FIFO within a class), and a leaver keeping its turn
+    ("no-turns", "turns", False),
+    ("leaver-keeps-turn", "turns", False),
 ])
 def test_the_fuzz_finds_the_bugs_it_found(mutant: str, kind: str, paced: bool) -> None:
     # The lane with one fixed bug put back: the fuzz must see it within a few seeds.
     found = []
+    clients = kind == "turns"
     for seed in range(200):
-        found = [v for v in run_seed(MUTANTS[mutant], seed, paced=paced).violations
+        found = [v for v in run_seed(MUTANTS[mutant], seed, paced=paced,
+                                     clients=clients).violations
                  if v.kind == kind]
         if found:
             break

@@ -32,8 +32,18 @@ And at each event:
 - ``timeout``: ``provider_queue_timeout`` comes exactly ``queue_timeout_s`` after arrival;
 - ``wait_idle``: when `wait_idle()` returns, nothing runs or waits;
 - ``order`` (checked at the end, over the whole history): no request starts while another
-  one that waits since an earlier instant has a better (priority, arrival) key and starts
-  or leaves only later — priority order, FIFO within a class, no barging;
+  one that waits since an earlier instant has a better key and starts or leaves only
+  later — a better class, or the same class, the same client and an earlier arrival:
+  priority order, each client's requests in their order (FIFO within a class when there
+  is one client), no barging;
+- ``turns`` (``clients=True``, SPEC L14; checked at the end, over the history of events in
+  their order): requests come from a few clients with weights (one of them sends bursts);
+  whenever two clients both have waiters of one class, the starts of that class each
+  makes while both wait stay within weighted round robin's bound, ``|n_k / w_k - n_j /
+  w_j| <= 1 / w_k + 1 / w_j`` (start-time fair queueing's: one turn of each, whatever
+  the bursts, the leaving waiters and the grants handed back) — the rule that "a
+  client's burst never delays another client's one request by more than one start per
+  waiting client" rests on;
 - ``end``: 0 running and 0 queued at the end, and `wait_idle()` returns.
 
 Real time (``slack`` > 0, `run_seed_real_time`): for lanes whose state lives elsewhere
@@ -84,7 +94,7 @@ __all__ = ["KINDS", "MUTANTS", "FuzzReport", "LaneFactory", "LaneUnderTest", "Vi
 
 EPS = 1e-9
 KINDS = ("idle", "leak", "overdue", "wait_idle", "capacity", "pacer", "queue_max",
-         "timeout", "order", "error", "end", "budget")
+         "timeout", "order", "error", "end", "budget", "turns")
 
 
 class _Stats(Protocol):
@@ -133,6 +143,20 @@ class _CountsHandedBackGrants(Lane):
         pass
 
 
+class _IgnoresClients(Lane):
+    """No turns: every client's request gets the same turn (FIFO within a class)."""
+
+    def _take_turn(self, rank: int, client: str, step: float) -> float:
+        return 0.0
+
+
+class _KeepsTheTurnOfALeaver(Lane):
+    """A waiter that leaves keeps its turn: its client falls behind (SPEC L14)."""
+
+    def _give_turn_back(self, gone: Any) -> None:
+        pass
+
+
 class _ReturnsIdleTooEarly(Lane):
     """`wait_idle` checkpoints after its check, so it may return while busy."""
 
@@ -153,6 +177,8 @@ MUTANTS: dict[str, LaneFactory] = {
     "forget-no-hand-off": _mutant(_ForgetsToHandOff),
     "handed-back-grant-paced": _mutant(_CountsHandedBackGrants),
     "wait-idle-early": _mutant(_ReturnsIdleTooEarly),
+    "no-turns": _mutant(_IgnoresClients),
+    "leaver-keeps-turn": _mutant(_KeepsTheTurnOfALeaver),
 }
 
 
@@ -196,6 +222,9 @@ class _Client:
     stats_before: Any = None
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     tokens: int = 0  # its input tokens (with token budgets)
+    who: str = "default"  # its client (SPEC L14), and the client's weight
+    weight: float = 1.0
+    was_queued: bool = False  # on_queued was called
 
     @property
     def waiting(self) -> bool:
@@ -208,6 +237,12 @@ class _Client:
     def key(self) -> tuple[int, int]:
         assert self.order is not None
         return (PRIORITIES[self.priority], self.order)
+
+    def goes_before(self, other: _Client) -> bool:
+        """A better class, or the same class and client and an earlier arrival."""
+        if self.priority != other.priority:
+            return PRIORITIES[self.priority] < PRIORITIES[other.priority]
+        return self.who == other.who and self.key() < other.key()
 
 
 def window(rpm: float) -> tuple[int, float]:
@@ -225,8 +260,12 @@ def _profile_str(p: Profile) -> str:
 class _Fuzz:
     def __init__(self, lanes: Sequence[LaneUnderTest], profile: Profile, seed: int,
                  rng: random.Random, report: FuzzReport, grid: float | None,
-                 slack: float = 0.0, scale: float = 1.0) -> None:
+                 slack: float = 0.0, scale: float = 1.0, clients: bool = False) -> None:
         self.real_time = slack > 0
+        # SPEC L14: requests from a few clients (name -> weight), and the history of
+        # queue events in their order: ("q" | "s" | "l", request).
+        self.weights = {"a": 1.0, "b": 1.0, "c": 2.0, "d": 0.5} if clients else {}
+        self.events: list[tuple[str, _Client]] = []
         self.eps = max(EPS, slack)
         self.scale = scale
         self.idle_since: float | None = None
@@ -238,6 +277,7 @@ class _Fuzz:
         self.report = report
         self.grid = grid
         self.clients: list[_Client] = []
+        self.spawned = 0
         self.order = 0
         self.starts: list[float] = []  # when each request started
         self.idle_watchers = 0
@@ -289,6 +329,8 @@ class _Fuzz:
         waiting = self.waiting()
         if not self.itpm or not waiting:
             return True
+        if self.weights:  # which one heads the queue is the turns' business: all could
+            return self.bucket(now) >= max(c.tokens for c in waiting) - 1e-6
         head = min(waiting, key=_Client.key)
         return self.bucket(now) >= head.tokens - 1e-6
 
@@ -310,6 +352,8 @@ class _Fuzz:
         c.queued_at = trio.current_time()
         c.order = self.order
         self.order += 1
+        c.was_queued = True
+        self.events.append(("q", c))
         stats = c.stats_before
         if not self.real_time and stats is not None and stats.queued >= stats.queue_max:
             self.fail("queue_max", f"#{c.n} was queued with {stats.queued} already queued, "
@@ -321,6 +365,8 @@ class _Fuzz:
             c.order = self.order
             self.order += 1
             c.queued_at = now
+        elif c.was_queued:
+            self.events.append(("s", c))
         c.started_at = now
         c.outcome = "started"
         self.report.count("started")
@@ -383,9 +429,10 @@ class _Fuzz:
             with c.scope:
                 try:
                     on_queued = functools.partial(self._queued, c)
-                    slot = (lane.slot(c.priority, on_queued=on_queued,  # type: ignore[call-arg]
-                                      need=Need(c.tokens, 0)) if self.itpm
-                            else lane.slot(c.priority, on_queued=on_queued))
+                    mine: dict[str, Any] = {"need": Need(c.tokens, 0)} if self.itpm else {}
+                    if self.weights:
+                        mine.update(client=c.who, weight=c.weight)
+                    slot = lane.slot(c.priority, on_queued=on_queued, **mine)
                     async with slot as ticket:
                         self._started(c)
                         try:
@@ -405,6 +452,8 @@ class _Fuzz:
         finally:
             if c.started_at is None and c.left_at is None:
                 c.left_at = trio.current_time()
+                if c.was_queued:
+                    self.events.append(("l", c))
                 if c.outcome == "new":
                     c.outcome = "cancelled while queued" if c.queued_at is not None else (
                         "cancelled on arrival")
@@ -421,6 +470,8 @@ class _Fuzz:
         now = trio.current_time()
         c.left_at = now
         c.outcome = exc.reason
+        if c.was_queued:
+            self.events.append(("l", c))
         self.report.count(exc.reason)
         if exc.phase != "capacity" or exc.status != 429 or not exc.retry_after_s:
             self.fail("error", f"#{c.n}: {exc.reason} with phase {exc.phase}, status "
@@ -437,16 +488,20 @@ class _Fuzz:
         else:
             self.fail("error", f"#{c.n}: unexpected {exc.reason}: {exc.message}")
 
-    def spawn(self, nursery: trio.Nursery) -> None:
+    def spawn(self, nursery: trio.Nursery, who: str | None = None) -> None:
         rng = self.rng
         priority = rng.choices(list(PRIORITIES), weights=[2, 5, 3])[0]
         mean_run = max(0.5 * self.scale, 3.0 * self.profile.queue_timeout_s / 10)
         run_s = self.draw(0.0, 2 * mean_run)
         patience = self.draw(0.0, 1.5 * self.profile.queue_timeout_s + mean_run) if (
             rng.random() < 0.25) else None
-        c = _Client(n=len(self.clients), priority=priority,
+        if who is None:
+            who = rng.choice(list(self.weights)) if self.weights else "default"
+        self.spawned += 1
+        c = _Client(n=self.spawned, priority=priority,
                     lane=rng.randrange(len(self.lanes)), run_s=run_s, patience_s=patience,
-                    tokens=rng.randint(1, int(self.itpm) // 2) if self.itpm else 0)
+                    tokens=rng.randint(1, int(self.itpm) // 2) if self.itpm else 0,
+                    who=who, weight=self.weights.get(who, 1.0))
         nursery.start_soon(self.client, c, nursery)
 
     async def watch_idle(self, lane: LaneUnderTest) -> None:
@@ -518,6 +573,77 @@ class _Fuzz:
                 await trio.sleep_forever()
             await trio.sleep(max(ahead, 0.0))
 
+    def check_turns(self) -> None:
+        """Over the history of events, in order: two clients that both wait in one class
+        start within weighted round robin's bound of each other (SPEC L14).
+
+        Inside one virtual instant the fuzz sees the events in its tasks' order, not
+        the lane's (a granted task runs after an arrival of the same tick), so an instant
+        is read the way that never blames the lane: leaves first, then the starts of
+        requests that waited from before, then arrivals, then starts and leaves of those
+        arrivals; a
+        start of ``k`` is judged as if every start of ``j`` in the same instant came
+        before it (and when those were all its waiters, its wait ended before the start).
+        """
+        def at(event: tuple[str, _Client]) -> tuple[float, int]:
+            kind, c = event
+            if kind == "l":
+                t = c.left_at or 0.0
+                return (t, 0 if (c.queued_at or 0.0) < t else 4)
+            if kind == "q":
+                return (c.queued_at or 0.0, 2)
+            t = c.started_at or 0.0
+            return (t, 1 if (c.queued_at or 0.0) < t else 3)
+        events = sorted(self.events, key=at)  # (stable: the same instant keeps its order)
+        ahead: dict[tuple[float, str, str], int] = {}  # starts per instant, class, client
+        for kind, c in events:
+            if kind == "s":
+                slot = (c.started_at or 0.0, c.priority, c.who)
+                ahead[slot] = ahead.get(slot, 0) + 1
+        backlog: dict[tuple[str, str], int] = {}
+        # (class, client k, client j) -> starts of k and of j while both have waited
+        both: dict[tuple[str, str, str], list[int]] = {}
+        reported: dict[tuple[str, str, str], list[int]] = {}
+        for kind, c in events:
+            key = (c.priority, c.who)
+            if kind == "q":
+                backlog[key] = backlog.get(key, 0) + 1
+                if backlog[key] == 1:
+                    for (prio, who), n in backlog.items():
+                        if prio == c.priority and who != c.who and n:
+                            both[(prio, c.who, who)] = [0, 0]
+                            both[(prio, who, c.who)] = [0, 0]
+                continue
+            if kind == "s":
+                now = c.started_at or 0.0
+                ahead[(now, c.priority, c.who)] -= 1
+                ended: list[tuple[str, str, str]] = []
+                for (prio, k, j), counts in both.items():
+                    if prio != c.priority or c.who not in (k, j):
+                        continue
+                    other = j if c.who == k else k
+                    same = ahead.get((now, prio, other), 0)  # its starts of this instant
+                    if backlog.get((prio, other), 0) <= same:
+                        ended.append((prio, k, j))  # they may all have come first,
+                        continue                    # ending its wait: the stretch is over
+                    counts[0 if c.who == k else 1] += 1
+                    sk, sj = 1.0 / self.weights[k], 1.0 / self.weights[j]
+                    if (c.who == k and counts[0] * sk - (counts[1] + same) * sj > sk + sj + 1e-6
+                            and counts is not reported.get((prio, k, j))):
+                        self.report.violations.append(Violation(
+                            self.seed, c.started_at or 0.0, "turns",
+                            f"#{c.n} of client {k} (weight {self.weights[k]:g}, {c.priority}) "
+                            f"made its {counts[0]}th start while client {j} (weight "
+                            f"{self.weights[j]:g}) waited and made {counts[1]}"))
+                        reported[(prio, k, j)] = counts  # once per stretch of both waiting
+                for pair in ended:
+                    both.pop(pair, None)
+            backlog[key] -= 1
+            if not backlog[key]:
+                both = {pair: n for pair, n in both.items()
+                        if not (pair[0] == c.priority and c.who in pair[1:])}
+        self.report.count("turn checks", len(self.events))
+
     def check_order(self) -> None:
         """Over the whole history: a start never overtakes a better key waiting since
         an earlier instant (priority order, FIFO within a class, no barging)."""
@@ -526,7 +652,7 @@ class _Fuzz:
         for w in started:
             assert w.started_at is not None
             for v in queued:
-                if v is w or v.key() >= w.key():
+                if v is w or not v.goes_before(w):
                     continue
                 if (self.real_time and v.priority == w.priority and v.queued_at is not None
                         and w.queued_at is not None
@@ -561,7 +687,7 @@ def _random_profile(rng: random.Random, grid: float | None, scale: float = 1.0,
 async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
                      reload_rpm: bool = True, slack: float = 0.0,
                      scale: float = 1.0, tokens: bool = False,
-                     paced: bool = False) -> FuzzReport:
+                     paced: bool = False, clients: bool = False) -> FuzzReport:
     """One seeded run. Must run on a MockClock that autojumps (threshold 0), unless
     ``slack`` > 0: then in real time (see the module docstring).
 
@@ -575,6 +701,8 @@ async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
         tokens: an input token budget too (``itpm``, SPEC L12; a local lane only): each
             request needs a random part of it and settles to a random use.
         paced: profiles where the pacer binds (few starts a minute, long queue timeouts).
+        clients: requests from a few clients with weights, one of them in bursts (SPEC
+            L14; a local lane only): the ``turns`` rule is checked.
     """
     rng = random.Random(seed)
     grid = 0.5 * scale if seed % 2 == 0 else None
@@ -583,7 +711,7 @@ async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
         profile = attrs.evolve(profile, itpm=float(rng.choice([60, 600, 6000])))
     report = FuzzReport(seed=seed, profile=_profile_str(profile))
     async with factory(profile) as lanes:
-        fuzz = _Fuzz(lanes, profile, seed, rng, report, grid, slack, scale)
+        fuzz = _Fuzz(lanes, profile, seed, rng, report, grid, slack, scale, clients)
         async with trio.open_nursery() as outer:
             outer.start_soon(fuzz.sampler if fuzz.real_time else fuzz.checker)
             async with trio.open_nursery() as nursery:
@@ -592,6 +720,9 @@ async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
                     mean_run = max(0.5 * scale, 3.0 * fuzz.profile.queue_timeout_s / 10)
                     await trio.sleep(fuzz.draw(0.0, 2 * mean_run / (load * fuzz.profile.lanes)))
                     fuzz.spawn(nursery)
+                    if clients and rng.random() < 0.08:  # a burst of one client
+                        for _ in range(rng.randint(3, 12)):
+                            fuzz.spawn(nursery, who=rng.choice("ab"))
                     roll = rng.random()
                     if roll < 0.04:
                         fuzz.before_reload, fuzz.reloaded_at = fuzz.profile, trio.current_time()
@@ -623,6 +754,8 @@ async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
                 if waited.cancelled_caught:
                     fuzz.fail("end", "wait_idle() did not return at the end")
             fuzz.check_order()
+            if clients:
+                fuzz.check_turns()
             outer.cancel_scope.cancel()
     return report
 
