@@ -113,6 +113,8 @@ class Ticket:
     reservation: Reservation | None = None  # its token budgets' share (SPEC L12)
     token_wait_s: float = 0.0  # of its queue time, how long the head waited for tokens
     held_by: str | None = None  # the provider's hold that delayed it, if one did
+    # A shared lane's take from its model's budgets (SPEC L12a): the budgets it took.
+    model_kinds: frozenset[str] | None = None
 
     @property
     def queue_s(self) -> float:

@@ -93,7 +93,7 @@ class Engine:
         lane: LaneLike
         if config.shared and self.coordinator is not None:
             lane = SharedLane(config.name, config.profile, self.coordinator,
-                              expected_run_s=expected)
+                              expected_run_s=expected, limits=config.limits)
         else:
             if config.shared:
                 logger.warning("provider %s: shared = true takes effect at the next "

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
 
+import attrs
 import trio
 
 from relay.api.adapter import Adapter
@@ -44,6 +45,7 @@ from relay.capacity.estimate import script_of
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import Lane, Ticket
 from relay.capacity.meter import scope_of
+from relay.shared.budget import SharedBudget
 from relay.shared.lane import SharedLane
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call
@@ -179,20 +181,48 @@ async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
         waited, held_by, kinds = await lane.tokens.take(need, deadline=deadline,
                                                         probe=probe,
                                                         leave_if_held=run_.has_fallback)
+        model = lane.model_tokens(need.scope)  # (SPEC L12a: its model's, once known)
+        if model is not None:
+            try:
+                more, model_held, ticket.model_kinds = await model.take(
+                    need, deadline=deadline, probe=probe,
+                    leave_if_held=run_.has_fallback)
+            except BaseException:  # the account's share goes back: nothing started
+                await _shielded(functools.partial(lane.tokens.settle, need, 0, 0, kinds),
+                                lane)
+                raise
+            waited, held_by = waited + more, held_by or model_held
         ticket.reservation = Reservation(need, trio.current_time(), kinds=kinds)
         ticket.token_wait_s, ticket.held_by = waited, held_by
         run_.sink.on_limits = functools.partial(_shared_limits_seen, lane, run_.record,
                                                 run_.target.provider,
-                                                lane.tokens.member_here())
+                                                lane.tokens.member_here(), need.scope)
         yield ticket
 
 
 def _shared_limits_seen(lane: SharedLane, attempt: Attempt, provider: Provider,
-                        member: str, limits: RateLimits) -> None:
-    """Move the shared budgets to an answer's headers (in the background)."""
+                        member: str, scope: str, limits: RateLimits) -> None:
+    """Move the shared budgets to an answer's headers (in the background): they are
+    the answering model's (SPEC L12a; the provider's when it has no name)."""
     said_unusable(provider, limits)
     began = trio.current_time() - attempt.started
-    lane.tokens.seen_soon(limits, began_s_ago=began, member=member)
+    budget = lane.model_tokens(scope, create=bool(limits.windows)) or lane.tokens
+    budget.seen_soon(limits, began_s_ago=began, member=member)
+
+
+def _shared_seen(lane: SharedLane, scope: str, limits: RateLimits | None
+                 ) -> list[tuple[SharedBudget, RateLimits | None]]:
+    """Where an error answer's figures go on a shared lane: its windows to its model's
+    budgets, its hold to its model's when the 429 named it, else to the provider's."""
+    if limits is None:
+        return [(lane.tokens, None)]
+    model = lane.model_tokens(scope, create=bool(limits.windows) or limits.names_model)
+    if model is None:
+        return [(lane.tokens, limits)]
+    if limits.names_model or not limits.hold_s:
+        return [(model, limits)]
+    return [(model, attrs.evolve(limits, hold_s=None)),
+            (lane.tokens, RateLimits(hold_s=limits.hold_s, cause=limits.cause))]
 
 
 async def _shielded(fn: Callable[[], Any], lane: SharedLane) -> None:
@@ -281,9 +311,10 @@ async def _run_shared(adapter: Adapter, lane: SharedLane, ticket: Ticket, run_: 
         bound_error(exc, run_.target.provider, lane.profile.max_hold_s)
         now = trio.current_time()
         began = now - (ticket.started_at if ticket.started_at is not None else now)
-        await _shielded(functools.partial(lane.tokens.seen, exc.limits, reason=exc.reason,
-                                          began_s_ago=began,
-                                          member=lane.tokens.member_here()), lane)
+        for budget, limits in _shared_seen(lane, scope_of(run_.call.model), exc.limits):
+            await _shielded(functools.partial(budget.seen, limits, reason=exc.reason,
+                                              began_s_ago=began,
+                                              member=lane.tokens.member_here()), lane)
         raise
     finally:
         reservation = ticket.reservation
@@ -297,6 +328,10 @@ async def _run_shared(adapter: Adapter, lane: SharedLane, ticket: Ticket, run_: 
                  not reported and not (error is not None and used_in == used_out == 0))
             await _shielded(functools.partial(lane.tokens.settle, reservation.need,
                                               used_in, used_out, reservation.kinds), lane)
+            model = lane.model_tokens(reservation.need.scope)
+            if model is not None and ticket.model_kinds is not None:
+                await _shielded(functools.partial(model.settle, reservation.need, used_in,
+                                                  used_out, ticket.model_kinds), lane)
 
 
 def used_of(run_: Run, reservation: Reservation, error: RelayError | None

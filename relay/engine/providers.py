@@ -42,7 +42,7 @@ from relay.api.adapter import Adapter
 from relay.capacity.estimate import InputRatio
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import PRIORITIES
-from relay.capacity.meter import Conversations
+from relay.capacity.meter import Conversations, Meter, scope_of
 from relay.vocab import redact
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import ProviderConfig
@@ -200,13 +200,15 @@ class Provider:
         queued one is ``held`` while the provider holds every start (SPEC L12: it said
         wait)."""
         now = trio.current_time()
-        budget = getattr(self.lane, "budget", None)  # (a shared lane has none here)
-        held = budget is not None and budget.hold_left() > 0
+        meter = getattr(self.lane, "budget", None)
+        meter = meter if isinstance(meter, Meter) else None  # (a shared lane: its server)
         listed: list[tuple[tuple[int, int, float], dict[str, Any]]] = []
         for run, (request_id, route, priority) in list(self._in_flight.items()):
             if run.finished_at is not None:
                 continue
             started, running = run.record.started, run.running_since
+            held = (meter is not None and running is None
+                    and meter.hold_left(scope=scope_of(run.record.model or "")) > 0)
             state = ("stopping" if run.stopped_at is not None else
                      "running" if running is not None else "held" if held else "queued")
             order = (int(running is None), PRIORITIES.get(priority, 1), running or started)
@@ -261,8 +263,13 @@ class Provider:
             return None
         status: dict[str, Any] = budget.status(clock.iso if clock is not None
                                                else lambda t: None)
+        models = getattr(self.lane, "model_budgets", None)  # a shared lane's (L11)
+        if status is not None and models is not None:
+            iso = clock.iso if clock is not None else (lambda t: None)
+            status["models"] = {scope: found for scope, b in models().items()
+                                if (found := b.status(iso)) is not None}
         # What the provider counted of relay's estimate, by model and script (L12).
-        for model, figures in status.get("models", {}).items():
+        for model, figures in (status or {}).get("models", {}).items():
             figures["estimate"] = self.input_ratio.status(model)
         return status
 

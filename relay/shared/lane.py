@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -45,9 +45,10 @@ import attrs
 import trio
 
 from relay.capacity.lanes import PRIORITIES, Ticket
+from relay.capacity.meter import MAX_MODELS, scope_of
 from relay.vocab.errors import ConfigError, RelayError
 from relay.vocab.events import LaneStatistics
-from relay.vocab.profile import Profile
+from relay.vocab.profile import ModelLimits, Profile
 
 from .budget import SharedBudget
 from .coordinator import Coordinator
@@ -83,7 +84,8 @@ class SharedLane:
     shared = True
 
     def __init__(self, name: str, profile: Profile, coordinator: Coordinator, *,
-                 expected_run_s: float = 10.0) -> None:
+                 expected_run_s: float = 10.0,
+                 limits: Mapping[str, ModelLimits] | None = None) -> None:
         self.name = name
         self._local = profile  # this relay's own: the timeouts are its own
         self._stored = (profile.lanes, profile.queue_max, profile.rpm)  # every relay's
@@ -104,6 +106,33 @@ class SharedLane:
         coordinator.add(self)
         self.tokens = self.budget = SharedBudget(  # SPEC L12: on the server too
             name, coordinator, profile=lambda: self._local, holder=self._holder_here)
+        # SPEC L12a: each model's budgets and hold, on the server too (`model_tokens`).
+        self._limits = {scope_of(m): f for m, f in (limits or {}).items()}
+        self._models: dict[str, SharedBudget] = {}
+
+    def model_tokens(self, scope: str, *, create: bool = False) -> SharedBudget | None:
+        """Model ``scope``'s shared budgets (SPEC L12a): kept on the server under the
+        provider's name and the model's, made here once this relay has heard of them (a
+        header or a 429 naming the model, or its configured figures); None before.
+        At most `MAX_MODELS` a lane (the least recently used forgotten here first: its
+        keys stay on the server, and come back with its next header)."""
+        budget = self._models.pop(scope, None)
+        if budget is None:
+            if not scope or not (create or scope in self._limits):
+                return None
+            figures = self._limits.get(scope, ModelLimits())
+            budget = SharedBudget(
+                f"{self.name}@{scope}", self._coord, holder=self._holder_here,
+                profile=lambda: attrs.evolve(self._local, tpm=figures.tpm,
+                                             itpm=figures.itpm, otpm=figures.otpm))
+            if len(self._models) >= MAX_MODELS:
+                del self._models[next(iter(self._models))]
+        self._models[scope] = budget  # (most recently used last)
+        return budget
+
+    def model_budgets(self) -> dict[str, SharedBudget]:
+        """The models' shared budgets this relay knows (for the status)."""
+        return dict(sorted(self._models.items()))
 
     def _holder_here(self) -> _Member | None:
         """The slot the calling task holds (`SharedBudget.take` runs inside it)."""
@@ -384,6 +413,8 @@ class SharedLane:
             logger.info("shared lane %s: %d slot(s) whose lease had expired were taken back",
                         self.name, int(reclaimed))
         await self.tokens.refresh()  # (what the status shows of the budgets: SPEC L12)
+        for budget in list(self._models.values()):
+            await budget.refresh()
 
     def _mismatch(self, reply: list[Any], at_start: bool) -> None:
         problem = mismatch_problem(self.name, self._stored, reply[1:5], self._coord)
