@@ -733,6 +733,16 @@ async def test_a_configured_figure_removed_and_set_again(server: RedisServer) ->
         await p.set_profile(itpm=60_000)
         await p.compare()
         assert (await p.free())[0]["input"] == 21_000  # 10,000 + 11 s * 1,000
+        # Without a limit again, a header makes it anew: its remaining sets the level,
+        # though above the one it kept (relay counted nothing there meanwhile).
+        await p.set_profile(itpm=0)
+        await p.advance(1)
+        await p.take("b", 1_000, 1_000)
+        await p.advance(1)
+        await p.seen("b", {"input": (60_000, 58_000)})
+        await p.advance(1)
+        await p.compare()
+        assert (await p.free())[0]["input"] == 59_000
 
 
 async def test_a_configured_figure_changed_after_a_look(server: RedisServer) -> None:
