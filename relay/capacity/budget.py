@@ -10,67 +10,71 @@ head waits exactly that, as it waits for the pacer, SPEC L9), ``reserve`` at the
 sent and read, marked so), ``observe`` for an answer's headers, ``hold`` for a 429 that
 said when or a usage-window notice. The provider is the truth: where a configured figure
 (maybe this relay's share of the account) and a header (the account's ceiling) disagree,
-the lower limit wins, and a header's ``remaining`` may lower relay's count, never raise it.
+the lower limit wins, and a header's ``remaining`` may lower relay's count, never raise it
+(but for a budget it makes).
 
 A shared provider (``shared = true``) keeps the same rules in Lua on the coordination
 server (`relay.shared.budget_scripts`, on the server's clock). This table is the rules' one
-description, with where this module ("here") and the scripts ("there") keep each; ``d<n>``:
-the two differ today (notes below; tests/shared/test_budget_rules.py feeds both the same
-events: these are its xfail cases, which issue 33 is to end).
+description, with where this module ("here") and the scripts ("there") keep each
+(tests/shared/test_budget_rules.py feeds both the same events and compares them).
 
-  rule                                                 today  here             there
-  ---------------------------------------------------- ------ ---------------- -------------
-  a budget's limit: the lower of the configured figure        _Bucket.limit    limit_of
+  rule                                                    here             there
+  ------------------------------------------------------- ---------------- -------------
+  a budget's limit: the lower of the configured figure    _Bucket.limit    limit_of
   and the last header's
-  a configured figure changed (a reload)               d1     update_profile   (each call's)
-  a bucket: at most its limit, refilled at limit / 60         _Bucket.refill   level_of
-  a second since its last stored refill
-  the need: the estimated input plus the output               `.estimate`      the same
+  a bucket: at most its limit, refilled at limit / 60 a   _Bucket.level_at level_of
+  second since its level was last stored; stored only
+  when a take, a settlement or a header moves it (a look
+  stores nothing): a changed limit refills from there
+  a budget left without a limit keeps its level and       _gone            (its keys)
+  instant; given one again, it goes on from them
+  the need: the estimated input plus the output           `.estimate`      the same
   reservation (docs/tokens.md)
-  a need starts when every budget holds min(need,             wait_s           TOKENS_TAKE
-  limit) (a request start: 1); else it waits for the
-  refill
-  a start takes the need from every budget with a      d2     reserve          TOKENS_TAKE
-  limit; it is in flight until settled
-  a need above a budget's whole limit never starts     d3     too_large        TOKENS_TAKE
-  settlement: each budget it took from gets back what  d4     settle           TOKENS_SETTLE
+  a need above a budget's whole limit never starts:       too_large        TOKENS_TAKE
+  judged first, for every request (a hold or a queue
+  does not wait for it)
+  a need starts when every budget holds the need and a    wait_s,          TOKENS_TAKE
+  margin, 1 % of its limit (``EDGE_MARGIN``: 0.6 s of     edge_want
+  refill, for relay taking before the provider admits,
+  on another clock), at most the whole limit (a request
+  start: 1); else it waits for the refill
+  every start is recorded, a budget known or not; it      reserve, active  TOKENS_TAKE
+  takes the need from every budget with a limit and is
+  in flight until settled
+  a header's limit sets the budget's; a new one is whole  observe,         TOKENS_SEEN
+  (its remaining, if said, sets it, below)                _window
+  a header's remaining counts what the provider admitted  _window, _late   TOKENS_SEEN
+  (the output reservation too): it sets the level to
+  min(limit, remaining) less the whole need of what was
+  granted after the answering request (``started_at``:
+  its grant), still in flight, when that is lower than
+  relay's level or the budget is new; never higher
+  the requests in flight granted at or before it are then _window          TOKENS_SEEN
+  counted for that budget (``Reservation.counted``)                        (c:<member>)
+  settlement: each budget it took from gets back what     settle           TOKENS_SETTLE
   was reserved and not used (or gives what was used
-  beyond), up to its limit; request starts stay taken
-  a header's limit sets the budget's (a new one        d5     observe          TOKENS_SEEN
-  appears)
-  a header's remaining lowers the level to it (never   d6 d7  observe, _late   TOKENS_SEEN
-  raises it) less what relay started since the
-  answering request, its own aside: their input, one
-  start each
-  a header's reset sets nothing (an adapter turns a           -                -
+  beyond), up to its limit; a counted budget, only its
+  output (its real input is in the header's figure);
+  request starts stay taken
+  a header's reset sets nothing (an adapter turns a              -                -
   used-up budget's reset into a hold)
-  a hold: no start until it ends but a connection      d8     hold, hold_left  TOKENS_SEEN,
-  check's; a later end replaces it; no cap                                     TOKENS_TAKE
-  an answer begun after the hold began, fine, ends it         observe(ok)      TOKENS_SEEN
-  the first start after a hold goes alone until an     d9 d10 _probe           first,
-  answer is back, it is settled or a new hold comes                            first_due
+  a hold: no start until it ends but a connection         hold, hold_left  TOKENS_SEEN,
+  check's; a later end replaces it; at most max_hold_s                     TOKENS_TAKE
+  (a usage window: a day; `bounded_hold`)
+  an answer begun after the hold began, fine, ends it     observe(ok)      TOKENS_SEEN
+  the first start once a hold is over (a connection       _probe           first,
+  check's too) goes alone until an answer is back, it is                   first_due
+  settled or a new hold comes (there: or its relay is
+  gone, its slot's lease in the lane's holders ended)
+  the keys lost (a restart, a failover): the first start  (a process's     born, <kind>:new
+  goes alone and the next header sets each level, even   restart starts
+  above relay's guess; the keys last a day and an hour    whole)
+  after their last use (no hold outlasts them)
 
-- d1: a changed figure refills the time since the last stored refill at its new rate, and
-  here each look stores one (status, wait_s), there only a take, a settlement, a header;
-  a figure removed and set again within a minute starts whole here, at its old level there.
-- d2: here a start while no budget is known reserves nothing (`Budget.active` is false:
-  the lane asks nothing), so a later header does not count it as started since.
-- d3: during a hold the lane refuses it at once here; the scripts say "held" (they judge
-  the size only for the head of the token queue, once no hold stands).
-- d4: here a request started before a header lowered a level gives back no input (the
-  header counted what it sent), only output; the scripts give back both.
-- d5: a limit without a remaining, for a budget not known yet: empty here, whole there.
-- d6: here the output reserved by requests in flight is taken off a ``remaining`` as well
-  (tokens and output: the provider counts output as it is produced); not there.
-- d7: a remaining at or above the (new) limit: here the level becomes the limit less what
-  started since; there it stays (only a remaining below the level moves it).
-- d8: the scripts' keys expire an hour after their last use (a start never settled is
-  forgotten an hour after it began): a hold, or a header's limit, unused that long is gone.
-- d9: there the first start goes alone for at most 30 s (``FIRST_MS``: its relay may die).
-- d10: here a connection check started after the hold is the first start; never there.
-
-(A lower limit holds the level to it at once there, at the next refill here: the same as
-soon as any time has passed.)
+The caller (`relay.engine.metering`) gives ``observe`` the answering attempt's upstream
+start as ``started_at``: its own reservation's ``at`` (``SharedBudget.seen``: how long ago
+that was; the scripts read the grant's own instant where they still have it). A grant
+made before or with it is in the provider's remaining; one made after is not.
 """
 
 # layers: long because its theory of operation holds the one table of the token-budget
@@ -80,7 +84,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -91,15 +95,26 @@ from relay.vocab.profile import Profile
 
 from .estimate import OUTPUT_FLOOR, Learned, estimate_input, estimate_text, output_reservation
 
-__all__ = ["OUTPUT_FLOOR", "USAGE_WINDOW_MAX_HOLD_S", "Budget", "Learned", "Need",
-           "Reservation", "bounded_hold", "estimate_input", "estimate_text", "held_error",
-           "output_reservation", "too_large", "too_large_error"]
+__all__ = ["EDGE_MARGIN", "OUTPUT_FLOOR", "USAGE_WINDOW_MAX_HOLD_S", "Budget", "Learned",
+           "Need", "Reservation", "bounded_hold", "edge_want", "estimate_input",
+           "estimate_text", "held_error", "output_reservation", "too_large",
+           "too_large_error"]
 
 # (The estimate lives in `relay.capacity.estimate`; re-exported here, where it is used.)
 
 _PROFILE_KEYS = {"tokens": "tpm", "input": "itpm", "output": "otpm"}
 _WHAT = {"requests": "request starts", "tokens": "tokens", "input": "input tokens",
          "output": "output tokens"}
+
+# A start needs this share of a budget's limit free beyond its own need (0.6 s of refill):
+# relay takes before the provider admits, on another clock, and rounds otherwise.
+EDGE_MARGIN = 0.01
+
+
+def edge_want(cost: float, limit: float) -> float:
+    """What a budget of ``limit`` must hold for a need of ``cost`` to start: the need and
+    the margin at the bucket's edge, at most the whole limit."""
+    return min(cost + limit * EDGE_MARGIN, limit)
 
 
 @attrs.frozen(slots=True)
@@ -128,9 +143,12 @@ class Need:
 @attrs.define(eq=False)
 class Reservation:
     need: Need
-    at: float
+    at: float  # when it was granted: the attempt's upstream start (SPEC L12a)
     settled: bool = False
     kinds: frozenset[str] | None = None  # the budgets it took from (None: every one)
+    # The budgets whose level a provider's header set while it was in flight, granted at
+    # or before the answering request: they hold its real input already.
+    counted: set[str] = attrs.Factory(set)
 
 
 @attrs.define
@@ -138,8 +156,8 @@ class _Bucket:
     configured: float = 0.0          # the profile's figure per minute (0: not set)
     header: float | None = None      # the provider's figure, from its last header
     header_at: float | None = None
-    level: float = 0.0
-    at: float = -math.inf
+    level: float = 0.0               # as stored at ``at`` (a take, a settlement, a header)
+    at: float = -math.inf            # -inf: never stored, whole
     remaining_said: float | None = None  # the last header's remaining, as it said
 
     @property
@@ -153,18 +171,23 @@ class _Bucket:
             return "header"
         return "configured"
 
-    def refill(self, now: float) -> None:
+    def level_at(self, now: float) -> float:
+        """The level at ``now``: the stored one refilled since, at the limit as it is."""
         limit = self.limit
         if self.at == -math.inf:
-            self.level = limit
-        elif now > self.at:
-            self.level = min(limit, self.level + (now - self.at) * limit / 60.0)
+            return limit
+        return min(limit, self.level + max(0.0, now - self.at) * limit / 60.0)
+
+    def store(self, now: float, level: float | None = None) -> None:
+        self.level = self.level_at(now) if level is None else level
         self.at = now
 
-    def wait_s(self, cost: float) -> float:
-        if self.level >= cost - 1e-6:  # (a float's last bits are no reason to wait)
+    def wait_s(self, cost: float, now: float) -> float:
+        want = edge_want(cost, self.limit)
+        level = self.level_at(now)
+        if level >= want - 1e-6:  # (a float's last bits are no reason to wait)
             return 0.0
-        return (cost - self.level) * 60.0 / self.limit
+        return (want - level) * 60.0 / self.limit
 
 
 @attrs.define
@@ -184,9 +207,9 @@ class Budget:
         # A model's budget (`relay.capacity.meter`) keeps a configured rpm as a request
         # budget; the account's rpm is the lane's pacer.
         self._keys = {"requests": "rpm", **_PROFILE_KEYS} if requests else _PROFILE_KEYS
-        self._buckets: dict[str, _Bucket] = {}
+        self._buckets: dict[str, _Bucket] = {}  # the budgets with a limit
+        self._gone: dict[str, _Bucket] = {}  # without one now: their level waits
         self._inflight: set[Reservation] = set()  # reservations not yet settled
-        self._tightened_at = -math.inf  # when a header last lowered a level
         # After a hold, one request goes first; the rest wait until its answer comes
         # back (a 200), so a provider that said nothing more meets one 429 a window.
         self._probe_due = False
@@ -203,14 +226,25 @@ class Budget:
         self.max_hold_s = profile.max_hold_s
         for kind, key in self._keys.items():
             figure = float(getattr(profile, key))
-            bucket = self._buckets.get(kind)
-            if bucket is None and figure:
-                bucket = self._buckets[kind] = _Bucket()
-            if bucket is not None:
-                bucket.configured = figure
-                if not bucket.limit:
-                    del self._buckets[kind]
+            bucket = self._buckets.get(kind) or self._gone.get(kind)
+            if bucket is None:
+                if not figure:
+                    continue
+                bucket = _Bucket()
+            bucket.configured = figure
+            self._place(kind, bucket)
         self.on_change()
+
+    def _place(self, kind: str, bucket: _Bucket) -> None:
+        """Among the budgets (in `KINDS`' order) while it has a limit, else aside with
+        its level and instant (set again, it goes on from them)."""
+        self._buckets.pop(kind, None)
+        self._gone.pop(kind, None)
+        if not bucket.limit:
+            self._gone[kind] = bucket
+            return
+        self._buckets[kind] = bucket
+        self._buckets = {k: self._buckets[k] for k in KINDS if k in self._buckets}
 
     @property
     def busy(self) -> bool:
@@ -219,19 +253,17 @@ class Budget:
 
     @property
     def active(self) -> bool:
-        """Any budget known (configured or learned), or a hold."""
-        return (bool(self._buckets) or self.hold_state is not None or self._probe_due
-                or self._probe is not None)
+        """Always: every start is recorded, a budget known or not, so a provider's first
+        header can tell what started after its answering request (SPEC L12a)."""
+        return True
 
-    def _live(self, now: float) -> dict[str, _Bucket]:
-        for bucket in self._buckets.values():
-            bucket.refill(now)
-        return self._buckets
+    def _kinds(self) -> Iterator[tuple[str, _Bucket]]:
+        return iter(list(self._buckets.items()))
 
     # --- admission ------------------------------------------------------------------------
     def too_large(self, need: Need) -> tuple[str, int, float] | None:
         """(kind, need, limit) for a budget ``need`` exceeds as a whole, or None."""
-        for kind, bucket in self._buckets.items():
+        for kind, bucket in self._kinds():
             if kind != "requests" and need.cost(kind) > bucket.limit:
                 return kind, need.cost(kind), bucket.limit
         return None
@@ -255,8 +287,8 @@ class Budget:
             return math.inf  # woken when the first answer after the hold comes back
         if need is None:
             return wait
-        for kind, bucket in self._live(now).items():
-            wait = max(wait, bucket.wait_s(min(need.cost(kind), bucket.limit)))
+        for kind, bucket in self._kinds():
+            wait = max(wait, bucket.wait_s(min(need.cost(kind), bucket.limit), now))
         return wait
 
     def waiting_for(self, need: Need | None, now: float | None = None) -> str | None:
@@ -272,23 +304,24 @@ class Budget:
         if need is None:
             return None
         worst: tuple[float, str] | None = None
-        for kind, bucket in self._live(now).items():
-            cost = min(need.cost(kind), bucket.limit)
-            wait = bucket.wait_s(cost)
+        for kind, bucket in self._kinds():
+            want = math.ceil(edge_want(need.cost(kind), bucket.limit))
+            wait = bucket.wait_s(need.cost(kind), now)
             if wait > 0 and (worst is None or wait > worst[0]):
-                free = max(0, math.floor(bucket.level))
+                free = max(0, math.floor(bucket.level_at(now)))
                 worst = (wait, f"waiting for the provider's {_WHAT[kind]} budget: "
-                               f"{free:,} of {cost:,} free, about {math.ceil(wait)} s")
+                               f"{free:,} of {want:,} free, about {math.ceil(wait)} s")
         return worst[1] if worst else None
 
     def reserve(self, need: Need | None) -> Reservation | None:
         if need is None:
             return None
         now = self._clock()
-        live = self._live(now)
-        for kind, bucket in live.items():
-            bucket.level -= need.cost(kind)
-        reservation = Reservation(need, now, kinds=frozenset(live))
+        kinds = []
+        for kind, bucket in self._kinds():
+            bucket.store(now, bucket.level_at(now) - need.cost(kind))
+            kinds.append(kind)
+        reservation = Reservation(need, now, kinds=frozenset(kinds))
         self._inflight.add(reservation)
         if self._probe_due and self.hold_left(now) <= 0:
             self._probe_due, self._probe = False, reservation
@@ -303,7 +336,9 @@ class Budget:
     def settle(self, reservation: Reservation | None, used_in: int, used_out: int, *,
                count: bool = True) -> None:
         """Move a reservation to what was used (a budget gives back what was reserved
-        and not used, and takes what was used beyond it)."""
+        and not used, and takes what was used beyond it). A budget a header set while it
+        was in flight (``counted``) holds its real input already: only its output is
+        settled there."""
         if reservation is None or reservation.settled:
             return
         reservation.settled = True
@@ -311,18 +346,15 @@ class Budget:
         if reservation is self._probe:
             self._probe = None  # it ended without a 429 (a 429 set a new hold first)
         now = self._clock()
-        used = Need(used_in, used_out)
-        # A header that lowered a level after this reservation was made already counted
-        # its real input: only its output is settled then (else it would count twice).
-        counted = self._tightened_at >= reservation.at and count
-        for kind, bucket in self._live(now).items():
-            if kind == "requests" or (counted and kind == "input") or (
-                    reservation.kinds is not None and kind not in reservation.kinds):
+        need, used = reservation.need, Need(used_in, used_out)
+        for kind, bucket in self._kinds():
+            if kind == "requests" or (reservation.kinds is not None
+                                      and kind not in reservation.kinds):
                 continue
-            back = reservation.need.cost(kind) - used.cost(kind)
-            if counted and kind == "tokens":
-                back = reservation.need.output - used.output
-            bucket.level = min(bucket.limit, bucket.level + back)
+            back = need.cost(kind) - used.cost(kind)
+            if count and kind in reservation.counted:
+                back = 0 if kind == "input" else need.output - used.output
+            bucket.store(now, min(bucket.limit, bucket.level_at(now) + back))
         if count:
             self._count(now, used_in + used_out)
         self.on_change()
@@ -332,30 +364,13 @@ class Budget:
                 ok: bool = False, reason: str = "rate_limited",
                 own: Reservation | None = None) -> None:
         """An answer's rate-limit headers (and hold); see the module docstring.
-        ``started_at``, ``own``: the answering attempt's start and reservation."""
+        ``started_at``: the answering attempt's upstream start (its reservation's
+        ``at``); ``own``: its reservation."""
         now = self._clock()
         if limits is not None:
             for kind, window in limits.windows.items():
-                if kind not in KINDS:
-                    continue
-                bucket = self._buckets.get(kind)
-                created = bucket is None
-                if window.limit:
-                    if bucket is None:
-                        bucket = self._buckets[kind] = _Bucket()
-                    bucket.refill(now)
-                    bucket.header, bucket.header_at = window.limit, now
-                if bucket is None or window.remaining is None:
-                    continue
-                bucket.refill(now)
-                bucket.remaining_said = window.remaining
-                pending = self._outstanding_out() if kind in ("tokens", "output") else 0
-                said = min(bucket.limit, window.remaining - pending)
-                # The provider's count only tightens relay's (or starts it), less what
-                # relay started since the answering request (not in it yet, maybe).
-                if created or said < bucket.level:
-                    bucket.level = said - self._late(kind, started_at, own)
-                    self._tightened_at = now
+                if kind in KINDS:
+                    self._window(kind, window.limit, window.remaining, now, started_at, own)
             if limits.hold_s is not None and limits.hold_s > 0:
                 hold_s, cause = bounded_hold(limits, self.max_hold_s, reason)
                 self.hold(now + hold_s, cause, reason)
@@ -366,17 +381,39 @@ class Budget:
                 self.hold_state = None  # an answer begun after the hold: it has lifted
         self.on_change()
 
-    def _outstanding_out(self) -> int:  # output tokens reserved by requests in flight
-        return sum(r.need.output for r in self._inflight)
+    def _window(self, kind: str, limit: float | None, remaining: float | None, now: float,
+                started_at: float | None, own: Reservation | None) -> None:
+        """One budget's limit and remaining, as a header said them."""
+        bucket = self._buckets.get(kind)
+        created = bucket is None  # it had no limit before this header
+        if limit:
+            if bucket is None:
+                bucket = self._gone.get(kind) or _Bucket()
+            else:
+                bucket.store(now)  # refilled at its old limit, up to now
+            bucket.header, bucket.header_at = limit, now
+            self._place(kind, bucket)
+            bucket.store(now)  # held to the new limit (a new one: whole)
+        if bucket is None or not bucket.limit or remaining is None:
+            return
+        bucket.remaining_said = remaining
+        # The provider's remaining counts what it admitted: relay takes off only what it
+        # granted after the answering request (not in the provider's count yet).
+        said = min(bucket.limit, remaining) - self._late(kind, started_at, own)
+        if created or said < bucket.level_at(now):  # it tightens relay's count (or starts it)
+            bucket.store(now, said)
+            for r in self._inflight:  # their real input is in the provider's count now
+                if started_at is not None and r.at <= started_at:
+                    r.counted.add(kind)
 
     def _late(self, kind: str, started_at: float | None, own: Reservation | None) -> int:
-        """What requests started since ``started_at`` (all, when None) take of a budget
-        of ``kind``, ``own`` (the answering request's) aside; output is counted apart."""
-        late = [r for r in self._inflight
-                if r is not own and (started_at is None or r.at >= started_at)]
-        if kind == "requests":
-            return len(late)
-        return sum(r.need.input for r in late) if kind in ("input", "tokens") else 0
+        """What requests granted after ``started_at`` (all, when None), ``own`` (the
+        answering request's) aside, take of a budget of ``kind``."""
+        return sum(r.need.cost(kind) for r in self._inflight
+                   if r is not own and (started_at is None or r.at > started_at))
+
+    def _outstanding_out(self) -> int:  # output tokens reserved by requests in flight
+        return sum(r.need.output for r in self._inflight)
 
     def hold(self, until: float, cause: str, reason: str = "rate_limited") -> None:
         now = self._clock()
@@ -407,10 +444,10 @@ class Budget:
         """The per-provider ``budgets`` object of the status (SPEC L12)."""
         now = self._clock()
         budgets: dict[str, Any] = {}
-        for kind, bucket in self._live(now).items():
+        for kind, bucket in self._kinds():
             budgets[kind] = {
                 "limit_per_minute": bucket.limit,
-                "remaining": max(0, math.floor(bucket.level)),
+                "remaining": max(0, math.floor(bucket.level_at(now))),
                 "source": bucket.source,
                 "configured": bucket.configured or None,
                 "header": bucket.header,

@@ -80,7 +80,11 @@ class SharedBudget:
         self._profile = profile
         self._holder = holder
         base = "{" + f"{coord.prefix}:{name}" + "}"
-        self._keys = [f"{base}:b", f"{base}:t", f"{base}:tx", f"{base}:f"]
+        # B, T, TX, F (`relay.shared.budget_scripts`), and the lane's holders (H: whether
+        # the first start after a hold still holds its slot).
+        self._keys = [f"{base}:b", f"{base}:t", f"{base}:tx", f"{base}:f",
+                      coord.keys(name)[0]]
+        self._known = False  # the server had these keys at this relay's last call
         # (its scripts, `SCRIPTS`, are the coordinator's to run, beside its own)
         self._waiting: dict[str, tuple[int, str]] = {}  # member -> (ahead, in words)
         self._peeked: tuple[float, list[Any]] | None = None  # (when, TOKENS_PEEK's reply)
@@ -91,8 +95,11 @@ class SharedBudget:
         return [repr(float(p.tpm)), repr(float(p.itpm)), repr(float(p.otpm))]
 
     async def _call(self, script: str, *args: Any) -> list[Any]:
-        reply: list[Any] = await self._coord.call(script, self._keys, list(args),
-                                                  provider=self.name)
+        # (First: whether this relay has found the keys before: if the server has them
+        # no more, they were lost, and the scripts start from the next header.)
+        reply: list[Any] = await self._coord.call(
+            script, self._keys, ["1" if self._known else "0", *args], provider=self.name)
+        self._known = True
         return reply
 
     def waiting_for(self) -> str | None:

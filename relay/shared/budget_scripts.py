@@ -5,20 +5,30 @@ Keys of one lane (``KEYS``, all in the lane's ``{prefix:provider}`` cluster slot
 
     B   hash  for each budget (``requests``, ``tokens``, ``input``, ``output``) its
               header limit (``<kind>:hdr``), level (``<kind>:lvl``) and the server time
-              it was last refilled (``<kind>:at``, ms); the hold (``hold`` until, ms;
+              it was last stored (``<kind>:at``, ms); the hold (``hold`` until, ms;
               ``hold_cause``, ``hold_reason``, ``hold_since``); ``seq``, the token
-              waiters' arrival counter
+              waiters' arrival counter; ``first``/``first_due``, the first start after a
+              hold; ``f:<member>`` the need ("in out") and ``c:<member>`` the budgets a
+              header counted of each request in flight; ``born``, when the keys were
+              made (``<kind>:new``: made anew after they were lost, see below)
     T   zset  token waiter member -> rank * 2^40 + arrival (priority class, then FIFO)
     TX  zset  token waiter member -> when its place ends (ms) unless it asks again
+    F   zset  request in flight (member) -> its start, the grant (ms)
+    H   zset  the lane's holders (`relay.shared.lane_scripts`): member -> its lease's end
+
+Every script's ``ARGV`` begins with 1 when the calling relay has found the keys before:
+if ``B`` is gone then (a server restart, a failover to a replica that never had them),
+the keys were lost: no level is known, so the first start goes alone and the next header
+sets each budget (even above what relay would have guessed).
 
 The rules these scripts keep are `relay.capacity.budget`'s, on the server's clock
-(``TIME``, in ms): the table in its theory of operation is their one description, names
-the script that keeps each, and marks where these scripts differ from the local budget
-today. What is theirs alone is the token queue: only the head of ``T`` takes tokens (SPEC
-L9: no barging past the head, whichever relay it is on); when it has taken them, leaves,
-or a settlement gives tokens back, the (new) head's relay is told at once (``g <member>``
-on its wake-up channel, as a slot's grant is). A connection check (a probe) passes the
-queue, as it passes a hold. The keys expire an hour after their last use.
+(``TIME``, in ms): the table in its theory of operation is their one description and
+names the script that keeps each. What is theirs alone is the token queue: only the head
+of ``T`` takes tokens (SPEC L9: no barging past the head, whichever relay it is on); when
+it has taken them, leaves, or a settlement gives tokens back, the (new) head's relay is
+told at once (``g <member>`` on its wake-up channel, as a slot's grant is). A connection
+check (a probe) passes the queue, as it passes a hold. The keys expire a day and an hour
+after their last use (a hold lasts at most a day).
 """
 
 from __future__ import annotations
@@ -27,10 +37,22 @@ __all__ = ["SCRIPTS", "TOKENS_LEAVE", "TOKENS_PEEK", "TOKENS_SEEN", "TOKENS_SETT
            "TOKENS_TAKE"]
 
 _BUDGET_PRELUDE = r"""
-local B, T, TX, F = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local B, T, TX, F, H = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local KINDS = {'requests', 'tokens', 'input', 'output'}
+local MARGIN = 0.01  -- relay.capacity.budget.EDGE_MARGIN
+local DAY_MS = 86400000  -- the longest hold (relay.capacity.budget.USAGE_WINDOW_MAX_HOLD_S)
+-- ARGV[1], before the script's own: 1 when this relay has found these keys before.
+local known = table.remove(ARGV, 1) == '1'
+
+-- The keys are made anew (their first use, or the server lost them: a restart, a
+-- failover to a replica that never had them). Lost (a relay had known them): no level
+-- is known, so the first start goes alone and its answer's header sets each level.
+if redis.call('HSETNX', B, 'born', tostring(now)) == 1 and known then
+  for _, kind in ipairs(KINDS) do redis.call('HSET', B, kind .. ':new', '1') end
+  redis.call('HSET', B, 'first', '', 'first_due', '1')
+end
 
 local function limit_of(kind, cfg)
   local hdr = tonumber(redis.call('HGET', B, kind .. ':hdr') or '0')
@@ -44,7 +66,7 @@ local function level_of(kind, limit)
   local lvl = tonumber(redis.call('HGET', B, kind .. ':lvl') or 'nan')
   local at = tonumber(redis.call('HGET', B, kind .. ':at') or '0')
   if lvl == nil or lvl ~= lvl then return limit end
-  return math.min(limit, lvl + (now - at) * limit / 60000)
+  return math.min(limit, lvl + math.max(0, now - at) * limit / 60000)
 end
 
 local function store(kind, lvl)
@@ -52,17 +74,19 @@ local function store(kind, lvl)
 end
 
 -- Token waiters whose relay stopped asking (it died, or lost the server) leave; a
--- request in flight (F: member -> its start; f:<member>: its input) is forgotten an hour
--- after its start if its settlement never came.
+-- request in flight (F: member -> its start; f:<member>: its need "in out"; c:<member>:
+-- the budgets a header set while it was in flight) is forgotten an hour after its start
+-- if its settlement never came.
+local function forget(m)
+  redis.call('ZREM', F, m)
+  redis.call('HDEL', B, 'f:' .. m, 'c:' .. m)
+end
 local function prune()
   for _, w in ipairs(redis.call('ZRANGEBYSCORE', TX, '-inf', now)) do
     redis.call('ZREM', T, w)
     redis.call('ZREM', TX, w)
   end
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', F, '-inf', now - 3600000)) do
-    redis.call('ZREM', F, m)
-    redis.call('HDEL', B, 'f:' .. m)
-  end
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', F, '-inf', now - 3600000)) do forget(m) end
 end
 
 -- Tell the head of the token queue's relay to ask again now (CHAN: the channel prefix).
@@ -73,9 +97,6 @@ local function wake(chan)
   end
 end
 
--- The first start after a hold goes alone for at most this long (its relay may die).
-local FIRST_MS = 30000
-
 -- Its answer is back (or it ended): the rest may start; the head is told.
 local function first_done(chan)
   if (redis.call('HGET', B, 'first') or '') ~= '' then
@@ -84,20 +105,22 @@ local function first_done(chan)
   end
 end
 
--- Every reply goes through this: the keys expire an hour after their last use.
+-- Every reply goes through this: the keys expire a day and an hour after their last use
+-- (no hold outlasts them: a hold is at most a day).
 local function done(reply)
-  for _, k in ipairs({B, T, TX, F}) do redis.call('PEXPIRE', k, 3600000) end
+  for _, k in ipairs({B, T, TX, F}) do redis.call('PEXPIRE', k, DAY_MS + 3600000) end
   return reply
 end
 """
 
 # ARGV: need_in, need_out, configured tpm, itpm, otpm, probe (1: a connection check),
 # member, rank, place_ms (how long its place lasts unless it asks again), the channel
-# prefix. Reply: {0, kind...} started (the need is taken from those budgets); {wait_ms,
+# prefix. Reply: {0, kind...} started (the need is taken from those budgets); {-1, kind,
+# cost, limit} too large for a whole minute (judged first, for every request); {wait_ms,
 # 'hold', cause, reason} held; {wait_ms, 'first'} behind the first start after a hold;
 # {wait_ms, 'queue', ahead} behind ``ahead`` earlier waiters; {wait_ms, '<kind> <free>
-# <want>'} the head, not yet; {-1, kind, cost, limit} too large for a whole minute. A
-# reply other than "not yet" or "behind" has taken the member out of the queue.
+# <want>'} the head, not yet. A reply other than "not yet" or "behind" has taken the
+# member out of the queue.
 TOKENS_TAKE = _BUDGET_PRELUDE + r"""
 local need_in, need_out = tonumber(ARGV[1]), tonumber(ARGV[2])
 local cfg = {requests = '0', tokens = ARGV[3], input = ARGV[4], output = ARGV[5]}
@@ -112,13 +135,24 @@ local function out()  -- the member leaves the queue (the next head may go at on
   redis.call('ZREM', TX, member)
   if was_head then wake(chan) end
 end
+local limits = {}
+for _, kind in ipairs(KINDS) do
+  local limit = limit_of(kind, cfg[kind])
+  if limit > 0 then
+    if kind ~= 'requests' and cost[kind] > limit then
+      out()
+      return done({-1, kind, cost[kind], tostring(limit)})
+    end
+    limits[kind] = limit
+  end
+end
+local hold = tonumber(redis.call('HGET', B, 'hold') or '0')
 if not probe then
   if not redis.call('ZSCORE', T, member) then
     local seq = redis.call('HINCRBY', B, 'seq', 1)
     redis.call('ZADD', T, rank * 1099511627776 + seq, member)
   end
   redis.call('ZADD', TX, now + place_ms, member)
-  local hold = tonumber(redis.call('HGET', B, 'hold') or '0')
   if hold > now then
     local said = redis.call('HMGET', B, 'hold_cause', 'hold_reason')
     return done({hold - now, 'hold', said[1] or '', said[2] or 'rate_limited'})
@@ -129,27 +163,26 @@ if not probe then
     return done({place_ms, 'queue', ahead})
   end
   -- After a hold the first start goes alone: the rest wait until its answer is back
-  -- (then a provider that said nothing more meets one 429 a window, not one a relay).
-  local first = redis.call('HMGET', B, 'first', 'first_until')
-  if first[1] and first[1] ~= '' and tonumber(first[2] or '0') > now then
-    return done({math.min(place_ms, tonumber(first[2]) - now), 'first'})
+  -- (then a provider that said nothing more meets one 429 a window, not one a relay),
+  -- or it ends, or its relay is gone (its slot's lease in H ended).
+  local first = redis.call('HGET', B, 'first') or ''
+  if first ~= '' then
+    if tonumber(redis.call('ZSCORE', H, first) or '0') > now then
+      return done({place_ms, 'first'})
+    end
+    redis.call('HSET', B, 'first', '')
   end
 end
 local wait, what = 0, ''
 local levels = {}
-for _, kind in ipairs(KINDS) do
-  local limit = limit_of(kind, cfg[kind])
-  if limit > 0 then
-    if kind ~= 'requests' and cost[kind] > limit then
-      out()
-      return done({-1, kind, cost[kind], tostring(limit)})
-    end
-    local lvl = level_of(kind, limit)
-    levels[kind] = lvl
-    local want = math.min(cost[kind], limit)
-    if lvl < want - 1e-6 then
-      local w = math.ceil((want - lvl) * 60000 / limit)
-      if w > wait then wait, what = w, kind .. ' ' .. math.floor(lvl) .. ' ' .. want end
+for kind, limit in pairs(limits) do
+  local lvl = level_of(kind, limit)
+  levels[kind] = lvl
+  local want = math.min(cost[kind] + limit * MARGIN, limit)  -- the margin at the edge
+  if lvl < want - 1e-6 then
+    local w = math.ceil((want - lvl) * 60000 / limit)
+    if w > wait then
+      wait, what = w, kind .. ' ' .. math.floor(lvl) .. ' ' .. math.ceil(want)
     end
   end
 end
@@ -160,10 +193,11 @@ for kind, lvl in pairs(levels) do
   table.insert(took, kind)
 end
 redis.call('ZADD', F, now, member)
-redis.call('HSET', B, 'f:' .. member, tostring(need_in))
-if not probe and redis.call('HGET', B, 'first_due') == '1' then
-  redis.call('HSET', B, 'first', member, 'first_until', tostring(now + FIRST_MS),
-             'first_due', '0')
+redis.call('HSET', B, 'f:' .. member, need_in .. ' ' .. need_out)
+redis.call('HDEL', B, 'c:' .. member)
+-- A start once the hold is over (a connection check too) is the first after it.
+if hold <= now and redis.call('HGET', B, 'first_due') == '1' then
+  redis.call('HSET', B, 'first', member, 'first_due', '0')
 end
 out()
 return done(took)
@@ -187,7 +221,14 @@ TOKENS_SETTLE = _BUDGET_PRELUDE + r"""
 local r_in, r_out, u_in, u_out = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
                                  tonumber(ARGV[4])
 local cfg = {tokens = ARGV[5], input = ARGV[6], output = ARGV[7]}
+local member = ARGV[9]
 local back = {tokens = r_in + r_out - u_in - u_out, input = r_in - u_in, output = r_out - u_out}
+-- A budget a header set while it was in flight holds its real input: only its output.
+if member ~= '' then
+  for kind in string.gmatch(redis.call('HGET', B, 'c:' .. member) or '', '%S+') do
+    if kind == 'input' then back.input = 0 else back[kind] = r_out - u_out end
+  end
+end
 local took = {}
 for j = 10, #ARGV do took[ARGV[j]] = true end
 local gave = false
@@ -206,12 +247,9 @@ if redis.call('HGET', B, 'us' .. slot) ~= tostring(sec) then
   redis.call('HSET', B, 'u' .. slot, '0', 'us' .. slot, tostring(sec))
 end
 redis.call('HINCRBY', B, 'u' .. slot, u_in + u_out)
-if ARGV[9] ~= '' then
-  redis.call('ZREM', F, ARGV[9])
-  redis.call('HDEL', B, 'f:' .. ARGV[9])
-end
+if member ~= '' then forget(member) end
 prune()
-if ARGV[9] ~= '' and redis.call('HGET', B, 'first') == ARGV[9] then
+if member ~= '' and redis.call('HGET', B, 'first') == member then
   first_done(ARGV[8])
 elseif gave then
   wake(ARGV[8])
@@ -220,45 +258,68 @@ return done({0})
 """
 
 # ARGV: configured tpm, itpm, otpm; hold_ms (0: none), cause, reason, ok (1: an answer
-# came back; one begun after any hold: it has lifted), began (ms ago it began), the
-# channel prefix, its member ('' : not known), then (kind, limit, remaining) triples (''
-# for a figure not said). What a header's limit and remaining, a hold and an answer do:
-# the table's rows (`relay.capacity.budget`).
+# came back; one begun after any hold: it has lifted), began (ms ago it began upstream:
+# its grant), the channel prefix, its member ('' : not known), then (kind, limit,
+# remaining) triples ('' for a figure not said). What a header's limit and remaining, a
+# hold and an answer do: the table's rows (`relay.capacity.budget`).
 TOKENS_SEEN = _BUDGET_PRELUDE + r"""
 local cfg = {requests = '0', tokens = ARGV[1], input = ARGV[2], output = ARGV[3]}
-local hold_ms, cause, reason, ok = tonumber(ARGV[4]), ARGV[5], ARGV[6], ARGV[7]
-local began, own = now - tonumber(ARGV[8]), ARGV[10]
--- What requests started at or after the answering one (its own aside) take of a budget:
--- they may not be in the provider's count yet (a burst's first answers come back while
--- the relays are still starting the rest).
-local late_n, late_in  -- (read once, when a header first lowers a budget)
+local hold_ms, cause, reason, ok = math.min(tonumber(ARGV[4]), DAY_MS), ARGV[5], ARGV[6],
+                                   ARGV[7]
+local own = ARGV[10]
+-- The answering request's grant: its start in F (exact), else as its relay said.
+local began = tonumber(own ~= '' and redis.call('ZSCORE', F, own) or '') or
+              now - tonumber(ARGV[8])
+-- What requests granted after the answering one (its own aside) take of a budget: they
+-- are not in the provider's count yet (a burst's first answers come back while the
+-- relays are still starting the rest).
+local late_cost  -- (read once, when a header first sets a budget)
 local function late(kind)
-  if not late_n then
-    late_n, late_in = 0, 0
-    for _, m in ipairs(redis.call('ZRANGEBYSCORE', F, began, '+inf')) do
+  if not late_cost then
+    late_cost = {requests = 0, tokens = 0, input = 0, output = 0}
+    for _, m in ipairs(redis.call('ZRANGEBYSCORE', F, '(' .. began, '+inf')) do
       if m ~= own then
-        late_n = late_n + 1
-        late_in = late_in + tonumber(redis.call('HGET', B, 'f:' .. m) or '0')
+        local f = redis.call('HGET', B, 'f:' .. m) or ''
+        local i, o = string.match(f, '^(%S+) (%S+)$')
+        i, o = tonumber(i) or 0, tonumber(o) or 0
+        late_cost.requests = late_cost.requests + 1
+        late_cost.tokens = late_cost.tokens + i + o
+        late_cost.input = late_cost.input + i
+        late_cost.output = late_cost.output + o
       end
     end
   end
-  if kind == 'requests' then return late_n end
-  return (kind == 'input' or kind == 'tokens') and late_in or 0
+  return late_cost[kind]
+end
+-- The requests granted at or before it hold their real input in that budget now.
+local function counted(kind)
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', F, '-inf', began)) do
+    local c = redis.call('HGET', B, 'c:' .. m) or ''
+    if not string.find(' ' .. c .. ' ', ' ' .. kind .. ' ', 1, true) then
+      redis.call('HSET', B, 'c:' .. m, c == '' and kind or c .. ' ' .. kind)
+    end
+  end
 end
 local i = 11
 while ARGV[i] do
   local kind, limit, remaining = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local created = false
   if limit and limit > 0 then
     local old = limit_of(kind, cfg[kind])
-    local lvl = old > 0 and level_of(kind, old) or limit
+    created = old == 0  -- it had no limit before this header
     redis.call('HSET', B, kind .. ':hdr', tostring(limit))
     local new = limit_of(kind, cfg[kind])
-    store(kind, math.min(new, lvl))
+    store(kind, math.min(new, level_of(kind, old > 0 and old or new)))
   end
   local now_limit = limit_of(kind, cfg[kind])
   if remaining and now_limit > 0 then
-    local lvl = level_of(kind, now_limit)
-    if remaining < lvl then store(kind, remaining - late(kind)) end
+    created = created or redis.call('HGET', B, kind .. ':new') == '1'
+    local said = math.min(now_limit, remaining) - late(kind)
+    if created or said < level_of(kind, now_limit) then
+      store(kind, said)
+      counted(kind)
+    end
+    redis.call('HDEL', B, kind .. ':new')
   end
   i = i + 3
 end
@@ -279,7 +340,7 @@ end
 return done({0})
 """
 
-# What the budgets are now, for the status (read at each renewal; nothing changes).
+# What the budgets are now, for the status (read at each renewal; nothing else changes).
 # ARGV: configured tpm, itpm, otpm. Reply: {hold_left_ms, hold_cause, waiters, tokens used
 # in the last minute by every relay, then (kind, limit, level, header limit) for each
 # budget with a limit}, numbers as strings.
@@ -307,7 +368,7 @@ for _, kind in ipairs(KINDS) do
     table.insert(out, redis.call('HGET', B, kind .. ':hdr') or '0')
   end
 end
-return out
+return done(out)
 """
 
 SCRIPTS = {"TOKENS_TAKE": TOKENS_TAKE, "TOKENS_LEAVE": TOKENS_LEAVE,

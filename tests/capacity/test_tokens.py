@@ -284,7 +284,7 @@ async def test_the_output_reservation_is_a_learned_percentile_of_the_models_answ
                 ask("hi", model="p/m-out1000", max_tokens=50)]:
             res = send(nursery, r, body)
             await res.done.wait()
-            assert ok(res)
+            assert ok(res), (res.status, res.text()[-500:])
     reserved = [rec["tokens_reserved"] for rec in records(tmp_path)]
     assert reserved[1:3] == reserved[:2]            # the floor, three times
     assert reserved[3] - reserved[0] == 1000 - 256   # then what the answers were

@@ -4,8 +4,10 @@ It serves OpenAI's ``POST /v1/chat/completions`` (plain and streamed) and Anthro
 ``POST /v1/messages`` (plain and streamed), and enforces request, input, output and total
 token limits per minute with *continuous* buckets: each holds at most its limit and
 refills at limit / 60 per second. A request is admitted when a request and its input
-tokens are free (and the output bucket is not in debt); its input leaves at once, its
-output as it is produced (at the end of the answer), as Anthropic documents it. A request
+tokens are free (and the output bucket is not in debt); its input leaves at once, and
+its output reservation too — its ``max_tokens``, else the answer's length — as OpenAI and
+Anthropic document it (Anthropic: output "estimated based on max_tokens at the beginning
+of each request"), set right to what it produced at the end of the answer. A request
 that does not fit gets a realistic 429 — OpenAI-shaped on the OpenAI path ("Rate limit
 reached … Please try again in 7.5s."), Anthropic-shaped on the Messages path — with
 ``retry-after``. Every answer, 200 or 429, stream or not, carries both header families
@@ -266,6 +268,9 @@ class Metered(FakeServer):
         cap = body.get("max_tokens") or body.get("max_completion_tokens")
         if isinstance(cap, int) and cap > 0:
             out = min(out, cap)
+        reserved = cap if isinstance(cap, int) and cap > 0 else out
+        self._take("otpm", reserved, t, model)  # the output reservation, at admission
+        self._take("tpm", reserved, t, model)
         self.active += 1
         self.peak = max(self.peak, self.active)
         # A coding agent marks its whole prompt for the cache: what was not read from it
@@ -283,8 +288,8 @@ class Metered(FakeServer):
         finally:
             self.active -= 1
             done = trio.current_time()
-            self._take("otpm", out, done, model)
-            self._take("tpm", out, done, model)
+            self._take("otpm", out - reserved, done, model)  # set right to what it produced
+            self._take("tpm", out - reserved, done, model)
             self.output_served += out
             self.notify()
 

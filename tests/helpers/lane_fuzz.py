@@ -84,7 +84,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from relay.capacity.budget import Need
+from relay.capacity.budget import Need, edge_want
 from relay.capacity.lanes import PRIORITIES, Lane
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import Profile
@@ -330,9 +330,10 @@ class _Fuzz:
         if not self.itpm or not waiting:
             return True
         if self.weights:  # which one heads the queue is the turns' business: all could
-            return self.bucket(now) >= max(c.tokens for c in waiting) - 1e-6
-        head = min(waiting, key=_Client.key)
-        return self.bucket(now) >= head.tokens - 1e-6
+            return self.bucket(now) >= max(edge_want(c.tokens, self.itpm)
+                                           for c in waiting) - 1e-6
+        head = min(waiting, key=_Client.key)  # (its need and the margin at the edge)
+        return self.bucket(now) >= edge_want(head.tokens, self.itpm) - 1e-6
 
     def state(self) -> str:
         stats = self.lanes[0].statistics()

@@ -27,13 +27,12 @@ and turns into a failure the day one side is changed to match the other.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -44,21 +43,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from trio.testing import MockClock
 
-from relay.capacity.budget import Budget, Need, Reservation
+from relay.capacity.budget import Budget, Need, Reservation, edge_want
 from relay.redis import resp
 from relay.shared.budget import SharedBudget
 from relay.shared.coordinator import Coordinator
 from relay.vocab.limits import RateLimits, Window
 from relay.vocab.profile import Profile
 
-ISSUE = "issue 33 (metering) fixes it"
-
 # Moves every instant the budget scripts stored back by ARGV[1] ms; returns B's fields.
 SHIFT = r"""
 local B, F, TX = KEYS[1], KEYS[2], KEYS[3]
 local d = tonumber(ARGV[1])
 for _, field in ipairs({'requests:at', 'tokens:at', 'input:at', 'output:at', 'hold',
-                        'hold_since', 'first_until'}) do
+                        'hold_since', 'born'}) do
   local v = tonumber(redis.call('HGET', B, field) or '0')
   if v > 0 then redis.call('HSET', B, field, tostring(v - d)) end
 end
@@ -68,20 +65,8 @@ for _, z in ipairs({F, TX}) do
 end
 return redis.call('HKEYS', B)
 """
-KNOWN_FIELDS = re.compile(r"(requests|tokens|input|output):(hdr|lvl|at)|hold(_cause|_reason"
-                          r"|_since)?|seq|first(_until|_due)?|f:.+|us?\d+")
-
-
-class Disagree(AssertionError):
-    """The comparison an xfail case names: the two implementations differ there."""
-
-
-@contextmanager
-def disagreement() -> Iterator[None]:
-    try:
-        yield
-    except AssertionError as exc:
-        raise Disagree(str(exc)) from exc
+KNOWN_FIELDS = re.compile(r"(requests|tokens|input|output):(hdr|lvl|at|new)|hold(_cause|_reason"
+                          r"|_since)?|seq|born|first(_due)?|[fc]:.+|us?\d+")
 
 
 @attrs.frozen
@@ -143,7 +128,7 @@ class Pair:
         # (+1 ms: the scripts' clock floors to a ms)
         target = math.ceil((self.now - self.mock0 - (real - self.real0)) * 1000) + 1
         if target != self.shifted:
-            b, _, tx, f = self.keys
+            b, _, tx, f, _ = self.keys
             fields = await self.client.execute("EVAL", SHIFT, 3, b, f, tx,
                                                target - self.shifted)
             self.shifted = target
@@ -156,7 +141,7 @@ class Pair:
 
     async def _script(self, name: str, *args: Any) -> list[Any]:
         since = await self._sync()
-        reply: list[Any] = await self.coord.call(name, self.keys, list(args), provider="p")
+        reply = await self.shared._call(name, *args)
         self._spent(since)
         return reply
 
@@ -222,6 +207,8 @@ class Pair:
                                          f" local {local}, shared {shared} (± {tol:.3f} s)")
         if local.what == "start":
             self.started[name] = Started(self.now, need, reservation, place, kinds)
+            # its slot, as the shared lane holds it (in H, its lease's end: far off)
+            await self.client.execute("ZADD", self.keys[4], 2**50, place.member)
         return local
 
     async def settle(self, name: str, used_in: int, used_out: int) -> None:
@@ -232,6 +219,7 @@ class Pair:
         await self.shared.settle(s.need, used_in, used_out, s.kinds)
         self._spent(since)
         self.holder = None
+        await self.client.execute("ZREM", self.keys[4], s.place.member)  # its slot ends
 
     async def seen(self, name: str, windows: dict[str, tuple[float | None, float | None]],
                    *, hold_s: float | None = None, ok: bool = True, cause: str = "",
@@ -337,8 +325,9 @@ async def test_buckets_hold_their_limit_and_refill_continuously(server: RedisSer
         await p.advance(5)  # input 40,000 + 5 s * 1,000
         assert (await p.take("b", 40_000, 5_000)).what == "start"
         await p.compare()
-        await p.advance(2)  # input 7,000: 13,000 short of 20,000, 13 s at 1,000 a second
-        assert await p.take("c", 20_000, 1_000) == Said("wait", 13.0)
+        # input 7,000: 13,000 short of 20,000 and the 600 (1 %) kept at the edge, 13.6 s
+        await p.advance(2)  # at 1,000 a second
+        assert await p.take("c", 20_000, 1_000) == Said("wait", 13.6)
         await p.advance(14)  # (not 13: a tie is the clocks' ms to decide)
         assert (await p.take("c", 20_000, 1_000)).what == "start"
         await p.compare()
@@ -495,7 +484,7 @@ STEPS = st.lists(st.tuples(st.sampled_from([1, 1, 1, 2, 2, 3, 5, 12, 35]), st.on
 def local_levels(p: Pair) -> dict[str, tuple[float, float]]:
     """The local budget's (level, limit) by kind: only to lay the sequence (the
     comparisons read what both sides show)."""
-    return {k: (b.level, b.limit) for k, b in p.budget._live(p.now).items()}
+    return {k: (b.level_at(p.now), b.limit) for k, b in p.budget._buckets.items()}
 
 
 async def off_ties(p: Pair, need: Need) -> None:
@@ -503,7 +492,8 @@ async def off_ties(p: Pair, need: Need) -> None:
     refill of the need: there the clocks' last ms, not the rules, would decide."""
     for _ in range(10):
         close = [k for k, (level, limit) in local_levels(p).items()
-                 if level < limit and abs(level - min(need.cost(k), limit)) < limit / 60 * 0.05]
+                 if level < limit and abs(level - edge_want(need.cost(k), limit))
+                 < limit / 60 * 0.05]
         if not close:
             return
         await p.advance(0.2)
@@ -575,39 +565,28 @@ def test_any_sequence_within_the_shared_rules_agrees(
     trio.run(main)
 
 
-# --- where they disagree today -------------------------------------------------------------------
+# --- the rules issue 33 chose (each was a disagreement, d1-d10, before) ----------------------
 
-def differ(what: str) -> Callable[[Callable[[RedisServer], Awaitable[None]]],
-                                   Callable[[RedisServer], None]]:
-    """An xfail case: its last comparison raises `Disagree`. It runs in a ``trio.run`` of
-    its own (pytest-trio's would wrap the failure in a group, which ``raises`` misses)."""
-    def mark(case: Callable[[RedisServer], Awaitable[None]]) -> Callable[[RedisServer], None]:
-        @functools.wraps(case)
-        def run(server: RedisServer) -> None:
-            trio.run(case, server)
-        xfail = pytest.mark.xfail(strict=True, raises=Disagree,
-                                  reason=f"the two disagree today: {what}; {ISSUE}")
-        return xfail(run)  # type: ignore[no-any-return]
-    return mark
-
-
-@differ("(d6) the local budget takes the output reserved by requests in flight off a header's "
-        "remaining (tokens, output); the shared scripts do not")
-async def test_output_in_flight_is_taken_off_a_headers_remaining(server: RedisServer) -> None:
+async def test_output_in_flight_is_in_a_headers_remaining_not_taken_off_again(
+        server: RedisServer) -> None:
+    # (d6) The provider counts a request's output reservation when it admits it: its
+    # remaining holds it. Only what was granted after the answering request comes off,
+    # its output with its input.
     async with pair(server, profile(tpm=60_000)) as p:
         await p.take("a", 5_000, 4_000)
         await p.advance(1)
-        await p.compare()
-        await p.seen("a", {"tokens": (60_000, 50_000)})  # local 46,000; shared 50,000
+        await p.take("b", 2_000, 3_000)  # granted after a: not in a's remaining
         await p.advance(1)
-        with disagreement():
-            await p.compare()
+        await p.seen("a", {"tokens": (60_000, 50_000)})  # 50,000 less b's 5,000
+        await p.advance(1)
+        await p.compare()
+        assert (await p.free())[0] == {"tokens": 46_000}  # 45,000 + 1 s * 1,000
 
 
-@differ("(d9) the shared first start after a hold goes alone for at most 30 s; the local one "
-        "until its answer is back, however long")
 async def test_the_first_start_after_a_hold_goes_alone_until_answered(
         server: RedisServer) -> None:
+    # (d9) However long its answer takes (on a shared provider, while its relay holds its
+    # slot: `test_a_lost_first_start_and_lost_keys` is the relay that died).
     async with pair(server, profile(itpm=60_000)) as p:
         await p.take("a", 1_000, 1_000)
         await p.refused("a", 5.5)
@@ -615,118 +594,211 @@ async def test_the_first_start_after_a_hold_goes_alone_until_answered(
         assert (await p.take("b", 1_000, 1_000)).what == "start"
         await p.advance(1)
         assert (await p.take("c", 1_000, 1_000)).what == "first"
-        await p.advance(30)  # b's answer still not back
-        with disagreement():
-            await p.take("c", 1_000, 1_000)  # local: still behind b; shared: starts
+        await p.advance(40)  # b's answer still not back
+        assert (await p.take("c", 1_000, 1_000)).what == "first"
+        await p.settle("b", 1_000, 10)
+        await p.advance(1)
+        assert (await p.take("c", 1_000, 1_000)).what == "start"
 
 
-@differ("(d4) after a header lowered a level, the local settlement of a request started before "
-        "it gives back no input (the header counted it); the shared one gives it back")
 async def test_a_settlement_after_a_header_counted_the_input(server: RedisServer) -> None:
-    async with pair(server, profile(itpm=60_000)) as p:
+    # (d4) a's header counted a's real input: its settlement gives back only output.
+    async with pair(server, profile(itpm=60_000, otpm=60_000)) as p:
         await p.take("a", 10_000, 1_000)
         await p.advance(1)
         await p.seen("a", {"input": (60_000, 40_000)})
         await p.advance(1)
         await p.compare()
-        await p.settle("a", 8_000, 1_000)  # local: 41,000; shared: 43,000
+        await p.settle("a", 8_000, 400)  # input: nothing back; output: 600 back
         await p.advance(1)
-        with disagreement():
-            await p.compare()
+        await p.compare()
+        assert (await p.free())[0] == {"input": 42_000, "output": 60_000}
 
 
-@differ("(d5) a header's limit for a budget relay did not know, without a remaining: the local "
-        "budget starts it empty, the shared one whole")
+async def test_settlement_gives_an_over_estimate_back_after_a_header(
+        server: RedisServer) -> None:
+    # Issue 33 item 2: a header counted only what was granted at or before the answering
+    # request; a request granted after it, or one whose budget the header did not set,
+    # is settled whole: relay's count moves to the usage the provider reported.
+    async with pair(server, profile(itpm=60_000)) as p:
+        await p.take("a", 10_000, 1_000)
+        await p.advance(1)
+        await p.take("b", 10_000, 1_000)
+        await p.advance(1)
+        await p.seen("a", {"input": (60_000, 45_000)})  # 45,000 less b's 10,000
+        await p.advance(1)
+        assert (await p.free())[0] == {"input": 36_000}
+        await p.settle("b", 4_000, 1_000)  # b over-estimated by 6,000: given back
+        await p.settle("a", 4_000, 1_000)  # a's real input is in the header's figure
+        await p.advance(1)
+        await p.compare()
+        assert (await p.free())[0] == {"input": 43_000}
+        # A header above relay's count sets nothing: a request in flight then is settled
+        # whole as well.
+        await p.take("c", 10_000, 1_000)
+        await p.advance(1)
+        await p.seen("c", {"input": (60_000, 59_000)})
+        await p.settle("c", 3_000, 1_000)
+        await p.advance(1)
+        await p.compare()
+        assert (await p.free())[0] == {"input": 42_000}  # 43,000 - 3,000 + 2 s * 1,000
+
+
+async def test_a_burst_answers_header_counts_what_was_granted_before_it(
+        server: RedisServer) -> None:
+    # Issue 33 item 1: eight requests granted one after another (whole seconds apart,
+    # here); the answer of the sixth says what the provider admitted: the first six,
+    # their output reservation included. Only the seventh and eighth come off.
+    async with pair(server, profile(tpm=30_000)) as p:
+        for n in range(8):
+            assert (await p.take(f"r{n}", 400, 1_000)).what == "start"
+            await p.advance(1)
+        # the provider: 30,000 - 6 * 1,400 + 3 s of refill (r5 was granted at 5 s)
+        await p.seen("r5", {"tokens": (30_000, 23_100)})
+        await p.advance(1)
+        await p.compare()
+        assert (await p.free())[0] == {"tokens": 20_800}  # 23,100 - 2,800 + 500
+
+
 async def test_a_new_budget_from_a_header_without_remaining(server: RedisServer) -> None:
+    # (d5) A limit alone, for a budget relay did not know: whole, as a configured one.
     async with pair(server, profile(itpm=60_000)) as p:
         await p.take("a", 1_000, 1_000)
         await p.advance(1)
         await p.seen("a", {"tokens": (120_000, None)})
         await p.advance(1)
-        with disagreement():
-            await p.compare()  # local tokens 2,000 free; shared 120,000
+        await p.compare()
+        assert (await p.free())[0] == {"input": 60_000, "tokens": 120_000}
 
 
-@differ("(d7) a header whose remaining is at or above the budget's limit, with requests started "
-        "since in flight: the local budget sets the level to the limit less them, the "
-        "shared one leaves it (only a remaining below its level moves it)")
 async def test_a_headers_remaining_at_the_limit_with_requests_started_since(
         server: RedisServer) -> None:
+    # (d7) A budget a header makes is set to its remaining less what was granted after
+    # the answering request, even at its limit.
     async with pair(server, profile(tpm=120_000)) as p:
         await p.take("a", 1_000, 1_000)
         await p.advance(1)
         await p.take("b", 5_000, 1_000)
         await p.advance(1)
-        await p.seen("a", {"input": (60_000, 60_000)})  # local 55,000 (b's 5,000 off)
+        await p.seen("a", {"input": (60_000, 60_000)})  # 55,000: b's 5,000 off
         await p.advance(1)
-        with disagreement():
-            await p.compare()
+        await p.compare()
+        assert (await p.free())[0]["input"] == 56_000
 
 
-@differ("(d2) a request started while no budget is known: the local lane reserves nothing "
-        "(Budget.active is false), so the first header does not count it as started since; "
-        "the shared scripts record every start")
 async def test_a_start_while_no_budget_is_known(server: RedisServer) -> None:
+    # (d2) Every start is recorded, a budget known or not: the first header counts b.
     async with pair(server, profile()) as p:
         await p.take("a", 1_000, 1_000)
         await p.advance(1)
         await p.take("b", 5_000, 1_000)
         await p.advance(1)
-        await p.seen("a", {"input": (60_000, 50_000)})  # local 50,000; shared 45,000
+        await p.seen("a", {"input": (60_000, 50_000)})
         await p.advance(1)
-        with disagreement():
-            await p.compare()
+        await p.compare()
+        assert (await p.free())[0] == {"input": 46_000}  # 50,000 - 5,000 + 1,000
 
 
-@differ("(d10) a connection check that starts after a hold ended is the local first start (the "
-        "rest wait for its answer); the shared scripts never make a check the first")
 async def test_a_connection_check_after_a_hold(server: RedisServer) -> None:
+    # (d10) A check that starts once the hold is over is the first start after it.
     async with pair(server, profile(itpm=60_000)) as p:
         await p.take("a", 1_000, 1_000)
         await p.refused("a", 5.5)
         await p.advance(6)
         assert (await p.take("check", 1_000, 1_000, probe=True)).what == "start"
         await p.advance(1)
-        with disagreement():
-            await p.take("b", 1_000, 1_000)  # local: behind the check; shared: starts
+        assert (await p.take("b", 1_000, 1_000)).what == "first"
+        await p.seen("check", {})
+        await p.advance(1)
+        assert (await p.take("b", 1_000, 1_000)).what == "start"
 
 
-@differ("(d3) a need larger than a whole budget while the provider is held: the local lane "
-        "refuses it at once (too large), the shared scripts say held (they judge the size "
-        "only for the head of the token queue, with no hold)")
 async def test_a_need_too_large_during_a_hold(server: RedisServer) -> None:
+    # (d3) Too large is judged first, for every request: it never waits out a hold.
     async with pair(server, profile(itpm=60_000)) as p:
         await p.take("a", 1_000, 1_000)
         await p.refused("a", 10.5)
         await p.advance(1)
-        with disagreement():
-            await p.take("b", 70_000, 1_000)
+        assert await p.take("b", 70_000, 1_000) == Said("too large", detail="input")
 
 
-@differ("(d1) a configured figure removed and set again within a minute: the local budget "
-        "starts it whole, the shared one goes on from the level it had")
 async def test_a_configured_figure_removed_and_set_again(server: RedisServer) -> None:
+    # (d1) A budget without a limit keeps its level; set again, it goes on from it.
     async with pair(server, profile(itpm=60_000, otpm=60_000)) as p:
         await p.take("a", 50_000, 1_000)
         await p.advance(1)
         await p.set_profile(itpm=0)
         await p.compare()
         await p.advance(10)
-        await p.set_profile(itpm=60_000)  # local 60,000; shared 10,000 + 11 s * 1,000
-        with disagreement():
-            await p.compare()
+        await p.set_profile(itpm=60_000)
+        await p.compare()
+        assert (await p.free())[0]["input"] == 21_000  # 10,000 + 11 s * 1,000
+        # Without a limit again, a header makes it anew: its remaining sets the level,
+        # though above the one it kept (relay counted nothing there meanwhile).
+        await p.set_profile(itpm=0)
+        await p.advance(1)
+        await p.take("b", 1_000, 1_000)
+        await p.advance(1)
+        await p.seen("b", {"input": (60_000, 58_000)})
+        await p.advance(1)
+        await p.compare()
+        assert (await p.free())[0]["input"] == 59_000
 
 
-@differ("(d1) a configured figure changed after a look: the time since the last refill a side "
-        "stored is refilled at the new figure's rate, and the local budget stores one at "
-        "every look (status, wait), the shared scripts only when they take, settle or read "
-        "a header")
 async def test_a_configured_figure_changed_after_a_look(server: RedisServer) -> None:
+    # (d1) A level is stored only when a take, a settlement or a header moves it; a
+    # look (status, a wait) stores nothing: a changed figure refills from the last one.
     async with pair(server, profile(itpm=60_000)) as p:
         await p.take("a", 50_000, 1_000)
         await p.advance(2)
-        await p.compare()  # local 12,000 stored now; shared 12,000 from 10,000 at 0 s
+        await p.compare()
         await p.set_profile(itpm=120_000)
         await p.advance(10)
-        with disagreement():
-            await p.compare()  # local 12,000 + 20,000; shared 10,000 + 24,000
+        await p.compare()
+        assert (await p.free())[0]["input"] == 34_000  # 10,000 + 12 s * 2,000
+
+
+async def test_a_start_keeps_a_margin_at_the_buckets_edge(server: RedisServer) -> None:
+    # Issue 33 item 4: a start needs 1 % of the limit free beyond its need (relay takes
+    # before the provider admits, on another clock): 950 does not start on 1,000 left of
+    # 12,000 a minute; it waits for 1,070, 0.35 s at 200 a second.
+    async with pair(server, profile(itpm=12_000)) as p:
+        assert (await p.take("a", 11_000, 10)).what == "start"
+        assert await p.take("b", 950, 10) == Said("wait", 0.35)
+        await p.advance(1)
+        assert (await p.take("b", 950, 10)).what == "start"
+        # A need at the limit waits for the whole bucket, no more.
+        await p.advance(5)
+        assert await p.take("c", 12_000, 0) == Said("wait", 60 * (12_000 - 1_250) / 12_000)
+
+
+async def test_a_lost_first_start_and_lost_keys(server: RedisServer) -> None:
+    # Issue 33 item 5, the shared side alone. The first start after a hold whose relay
+    # died (its slot's lease ended) holds no one back. Then the server loses the keys (a
+    # failover to a replica without them, a restart without persistence): no level is
+    # known, so the first start goes alone and its answer's header sets each budget,
+    # though it is higher than the level relay would have guessed.
+    async with pair(server, profile(itpm=60_000)) as p:
+        await p.take("a", 1_000, 1_000)
+        await p.refused("a", 5.5)
+        await p.advance(6)
+        assert (await p.take("b", 1_000, 1_000)).what == "start"
+        await p.advance(1)
+        assert (await p.take("c", 1_000, 1_000)).what == "first"
+        await p.client.execute("ZREM", p.keys[4], p.started["b"].place.member)  # b's relay
+        assert (await p._shared_take(Need(1_000, 1_000), False, "x|1"))[0].what == "start"
+        await p.client.execute("DEL", *p.keys[:4])  # the keys are lost
+        d = p.shared
+        said, _ = await p._shared_take(Need(20_000, 1_000), False, "x|2")
+        assert said.what == "start"  # whole as configured: nothing else is known
+        await p.client.execute("ZADD", p.keys[4], 2**50, "x|2")  # it holds its slot
+        assert (await p._shared_take(Need(1_000, 1_000), False, "x|3"))[0].what == "first"
+        await p.advance(1)
+        p.holder = Place("x|2")
+        await p._sync()
+        await d.seen(RateLimits(windows={"input": Window(60_000, 50_000)}), ok=True,
+                     began_s_ago=1.0, member="x|2")
+        await p.advance(1)
+        _, shared = await p.free()
+        assert 50_900 <= shared["input"] <= 51_100  # set (not 40,000 + 2 s * 1,000)
+        assert (await p._shared_take(Need(1_000, 1_000), False, "x|3"))[0].what == "start"
