@@ -49,9 +49,13 @@ local known = table.remove(ARGV, 1) == '1'
 -- The keys are made anew (their first use, or the server lost them: a restart, a
 -- failover to a replica that never had them). Lost (a relay had known them): no level
 -- is known, so the first start goes alone and its answer's header sets each level.
-if redis.call('HSETNX', B, 'born', tostring(now)) == 1 and known then
-  for _, kind in ipairs(KINDS) do redis.call('HSET', B, kind .. ':new', '1') end
-  redis.call('HSET', B, 'first', '', 'first_due', '1')
+-- (HGET and HSET: the commands the documented ACL user may run, docs/operators.md)
+if not redis.call('HGET', B, 'born') then
+  redis.call('HSET', B, 'born', tostring(now))
+  if known then
+    for _, kind in ipairs(KINDS) do redis.call('HSET', B, kind .. ':new', '1') end
+    redis.call('HSET', B, 'first', '', 'first_due', '1')
+  end
 end
 
 local function limit_of(kind, cfg)
