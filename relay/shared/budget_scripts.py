@@ -33,6 +33,9 @@ check (a probe) passes the queue, as it passes a hold. The keys expire a day and
 after their last use (a hold lasts at most a day).
 """
 
+# layers: long because it holds the token budgets' five Lua scripts whole, each an atomic
+# unit on the server that keeps rows of `relay.capacity.budget`'s one table.
+
 from __future__ import annotations
 
 __all__ = ["SCRIPTS", "TOKENS_LEAVE", "TOKENS_PEEK", "TOKENS_SEEN", "TOKENS_SETTLE",
