@@ -44,11 +44,11 @@ description, with where this module ("here") and the scripts ("there") keep each
   a header's limit sets the budget's; a new one is whole  observe,         TOKENS_SEEN
   (its remaining, if said, sets it, below)                _window
   a header's remaining counts what the provider admitted  _window, _late   TOKENS_SEEN
-  (the output reservation too): it sets the level to
-  min(limit, remaining) less the whole need of what was
-  granted after the answering request (``started_at``:
-  its grant), still in flight, when that is lower than
-  relay's level or the budget is new; never higher
+  (the output reservation too): when min(limit,
+  remaining) is lower than relay's level, or the budget
+  is new, it sets the level to it less the whole need of
+  what was granted after the answering request
+  (``started_at``: its grant), still in flight
   the requests in flight granted at or before it are then _window          TOKENS_SEEN
   counted for that budget (``Reservation.counted``)                        (c:<member>)
   settlement: each budget it took from gets back what     settle           TOKENS_SETTLE
@@ -399,9 +399,11 @@ class Budget:
         bucket.remaining_said = remaining
         # The provider's remaining counts what it admitted: relay takes off only what it
         # granted after the answering request (not in the provider's count yet).
-        said = min(bucket.limit, remaining) - self._late(kind, started_at, own)
+        # Whether to move at all is decided on the header's own figure: a provider that
+        # computes a whole answer's headers at its end has those requests in it already.
+        said = min(bucket.limit, remaining)
         if created or said < bucket.level_at(now):  # it tightens relay's count (or starts it)
-            bucket.store(now, said)
+            bucket.store(now, said - self._late(kind, started_at, own))
             for r in self._inflight:  # their real input is in the provider's count now
                 if started_at is not None and r.at <= started_at:
                     r.counted.add(kind)

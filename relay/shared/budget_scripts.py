@@ -10,7 +10,9 @@ Keys of one lane (``KEYS``, all in the lane's ``{prefix:provider}`` cluster slot
               waiters' arrival counter; ``first``/``first_due``, the first start after a
               hold; ``f:<member>`` the need ("in out") and ``c:<member>`` the budgets a
               header counted of each request in flight; ``born``, when the keys were
-              made (``<kind>:new``: made anew after they were lost, see below)
+              made (``<kind>:new``: made anew after they were lost, see below);
+              ``g0``-``g15``, ``gi``: the last 16 settled requests' grants ("member
+              ms"), for a header that comes after its request's settlement
     T   zset  token waiter member -> rank * 2^40 + arrival (priority class, then FIFO)
     TX  zset  token waiter member -> when its place ends (ms) unless it asks again
     F   zset  request in flight (member) -> its start, the grant (ms)
@@ -31,6 +33,9 @@ check (a probe) passes the queue, as it passes a hold. The keys expire a day and
 after their last use (a hold lasts at most a day).
 """
 
+# layers: long because it holds the token budgets' five Lua scripts whole, each an atomic
+# unit on the server that keeps rows of `relay.capacity.budget`'s one table.
+
 from __future__ import annotations
 
 __all__ = ["SCRIPTS", "TOKENS_LEAVE", "TOKENS_PEEK", "TOKENS_SEEN", "TOKENS_SETTLE",
@@ -49,9 +54,13 @@ local known = table.remove(ARGV, 1) == '1'
 -- The keys are made anew (their first use, or the server lost them: a restart, a
 -- failover to a replica that never had them). Lost (a relay had known them): no level
 -- is known, so the first start goes alone and its answer's header sets each level.
-if redis.call('HSETNX', B, 'born', tostring(now)) == 1 and known then
-  for _, kind in ipairs(KINDS) do redis.call('HSET', B, kind .. ':new', '1') end
-  redis.call('HSET', B, 'first', '', 'first_due', '1')
+-- (HGET and HSET: the commands the documented ACL user may run, docs/operators.md)
+if not redis.call('HGET', B, 'born') then
+  redis.call('HSET', B, 'born', tostring(now))
+  if known then
+    for _, kind in ipairs(KINDS) do redis.call('HSET', B, kind .. ':new', '1') end
+    redis.call('HSET', B, 'first', '', 'first_due', '1')
+  end
 end
 
 local function limit_of(kind, cfg)
@@ -247,7 +256,15 @@ if redis.call('HGET', B, 'us' .. slot) ~= tostring(sec) then
   redis.call('HSET', B, 'u' .. slot, '0', 'us' .. slot, tostring(sec))
 end
 redis.call('HINCRBY', B, 'u' .. slot, u_in + u_out)
-if member ~= '' then forget(member) end
+if member ~= '' then
+  -- Its grant, for its answer's header if that comes after this (the last 16 kept).
+  local start = redis.call('ZSCORE', F, member)
+  if start then
+    local n = redis.call('HINCRBY', B, 'gi', 1) % 16
+    redis.call('HSET', B, 'g' .. n, member .. ' ' .. start)
+  end
+  forget(member)
+end
 prune()
 if member ~= '' and redis.call('HGET', B, 'first') == member then
   first_done(ARGV[8])
@@ -267,9 +284,19 @@ local cfg = {requests = '0', tokens = ARGV[1], input = ARGV[2], output = ARGV[3]
 local hold_ms, cause, reason, ok = math.min(tonumber(ARGV[4]), DAY_MS), ARGV[5], ARGV[6],
                                    ARGV[7]
 local own = ARGV[10]
--- The answering request's grant: its start in F (exact), else as its relay said.
-local began = tonumber(own ~= '' and redis.call('ZSCORE', F, own) or '') or
-              now - tonumber(ARGV[8])
+-- The answering request's grant: its start in F (exact), or kept at its settlement
+-- (g0-g15: the last 16 settled), else as its relay said.
+local began = tonumber(own ~= '' and redis.call('ZSCORE', F, own) or '')
+if not began and own ~= '' then
+  local ring = {}
+  for n = 0, 15 do ring[n + 1] = 'g' .. n end
+  for _, v in ipairs(redis.call('HMGET', B, unpack(ring))) do
+    if v and string.sub(v, 1, #own + 1) == own .. ' ' then
+      began = tonumber(string.sub(v, #own + 2))
+    end
+  end
+end
+began = began or now - tonumber(ARGV[8])
 -- What requests granted after the answering one (its own aside) take of a budget: they
 -- are not in the provider's count yet (a burst's first answers come back while the
 -- relays are still starting the rest).
@@ -314,9 +341,11 @@ while ARGV[i] do
   local now_limit = limit_of(kind, cfg[kind])
   if remaining and now_limit > 0 then
     created = created or redis.call('HGET', B, kind .. ':new') == '1'
-    local said = math.min(now_limit, remaining) - late(kind)
+    -- (decided on the header's own figure: a provider that computes a whole answer's
+    -- headers at its end has those requests in it already)
+    local said = math.min(now_limit, remaining)
     if created or said < level_of(kind, now_limit) then
-      store(kind, said)
+      store(kind, said - late(kind))
       counted(kind)
     end
     redis.call('HDEL', B, kind .. ':new')

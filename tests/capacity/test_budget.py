@@ -45,7 +45,8 @@ def test_a_bursts_header_does_not_take_off_what_was_granted_before_the_answering
     # Eight requests queued at once and granted 0.1 s apart (400 in, max_tokens 1,000).
     # The answer of the sixth says what the provider admitted: the first six, their
     # output reservations too (OpenAI counts max_tokens; Anthropic estimates output from
-    # it at the start). Relay takes off the seventh and eighth only: 30,000 - 8 * 1,400.
+    # it at the start), and 5,000 another client of the key spent. Relay takes off the
+    # seventh and eighth only: 30,000 - 5,000 - 8 * 1,400.
     clock = Clock()
     budget = Budget(profile(tpm=30_000), clock)
     burst = []
@@ -53,9 +54,9 @@ def test_a_bursts_header_does_not_take_off_what_was_granted_before_the_answering
         burst.append(granted(budget, Need(400, 1_000)))
         clock.now += 0.1
     clock.now = 0.8
-    said = RateLimits({"tokens": Window(limit=30_000, remaining=30_000 - 6 * 1_400)})
+    said = RateLimits({"tokens": Window(limit=30_000, remaining=25_000 - 6 * 1_400)})
     budget.observe(said, started_at=burst[5].at, ok=True, own=burst[5])
-    assert free(budget) == {"tokens": 30_000 - 8 * 1_400}
+    assert free(budget) == {"tokens": 25_000 - 8 * 1_400}
     # The six are counted: their settlement gives back only the output they did not use.
     for r in burst[:6]:
         assert r.counted == {"tokens"}
@@ -69,19 +70,20 @@ def test_an_over_estimate_is_given_back_after_a_header() -> None:
     clock.now = 1.0
     b = granted(budget, Need(10_000, 1_000))
     clock.now = 2.0
-    budget.observe(RateLimits({"input": Window(60_000, 45_000)}), started_at=a.at, ok=True,
+    # (below relay's 42,000: another client of the key spent some)
+    budget.observe(RateLimits({"input": Window(60_000, 38_000)}), started_at=a.at, ok=True,
                    own=a)
-    assert free(budget) == {"input": 35_000}  # 45,000 less b, granted after a
+    assert free(budget) == {"input": 28_000}  # 38,000 less b, granted after a
     budget.settle(b, 4_000, 1_000)  # b's 6,000 over-estimate comes back
     budget.settle(a, 4_000, 1_000)  # a's real input is in the header's figure already
-    assert free(budget) == {"input": 41_000}
+    assert free(budget) == {"input": 34_000}
     # A header that sets nothing (above relay's count) counts nothing: settled whole.
     c = granted(budget, Need(10_000, 1_000))
     clock.now = 3.0
     budget.observe(RateLimits({"input": Window(60_000, 59_000)}), started_at=c.at, ok=True,
                    own=c)
     budget.settle(c, 3_000, 1_000)
-    assert free(budget) == {"input": 41_000 - 3_000 + 1_000}
+    assert free(budget) == {"input": 34_000 - 3_000 + 1_000}
 
 
 @pytest.mark.parametrize("margin", [budget_module.EDGE_MARGIN, 0.0])

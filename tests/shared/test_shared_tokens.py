@@ -138,7 +138,8 @@ async def test_headers_seen_by_one_relay_budget_all_three(
         assert 0 < figures["remaining"] <= 60_000
         assert budgets["budgets"]["requests"]["limit_per_minute"] == 6000
         answers = await burst(relays, 14)
-        assert [a.status_code for a in answers] == [200] * 14, [a.text[:300] for a in answers]
+        assert [a.status_code for a in answers] == [200] * 14, [
+            a.text[:300] for a in answers if a.status_code != 200]
         assert fake.rejected == []
         nursery.cancel_scope.cancel()
 
