@@ -7,6 +7,8 @@ code, and the only place it lives::
 
     RelayError(reason, message, ...)
       phase capacity    429  provider_queue_full, provider_queue_timeout   (+ Retry-After)
+                        429  client_limit (a client's day or month is spent, L14: Retry-
+                             After = the window's reset, up to a month)
                         400  request_too_large   (its own token estimate exceeds a per-
                              minute budget, L12: not retryable, fallback-eligible)
       phase quota       429  quota_exhausted                               (Retry-After 600)
@@ -18,7 +20,7 @@ code, and the only place it lives::
                              stream_cut
       phase rejected    400  context_too_long; rejected (the provider's own 4xx)
       phase request     4xx  unsupported, invalid_request, unknown_model, unauthorized,
-                             forbidden_origin, bad_host
+                             forbidden_origin, bad_host, forbidden_model (403, L14)
       phase shutdown    503  shutting_down                                 (+ Retry-After)
       phase coordination 503 coordination_unavailable, coordination_lost  (+ Retry-After:
                              the lease; shared lanes' server unreachable, lease lost)
