@@ -118,10 +118,8 @@ class Clients:
     # --- cost and spend -----------------------------------------------------------------
     def complete(self, record: Record) -> None:
         """A record about to be written: its cost, and its client's spend settled."""
-        config = self._config()
-        provider = config.providers.get(record.provider) if record.provider else None
-        if provider is not None and record.model is not None and record.usage:
-            record.cost_usd = cost_of(record.usage, price_for(provider, record.model))
+        if record.cost_usd is None:   # (a fan-out's is its branches' sum, set before)
+            record.cost_usd = self.cost(record)
         held = self._reserved.pop(record.id, None)
         if held is not None:
             self._reserved_by[held[0]] -= held[1]
@@ -130,6 +128,14 @@ class Clients:
         if record.route != CHECK_ROUTE:
             self._add(record.client, self.clock.wall(record.started_at), record.usage,
                       record.cost_usd)
+
+    def cost(self, record: Record) -> float | None:
+        """What ``record``'s usage cost at its provider's price for its model."""
+        provider = (self._config().providers.get(record.provider) if record.provider
+                    else None)
+        if provider is None or record.model is None or not record.usage:
+            return None
+        return cost_of(record.usage, price_for(provider, record.model))
 
     def _add(self, client: str, wall: float, usage: dict[str, Any] | None,
              cost: float | None) -> None:

@@ -119,6 +119,15 @@ class Fanout:
         record.attempts = [a for b in self.branches for a in b.record.attempts]
         record.fallback_triggered = any(b.record.fallback_triggered for b in self.branches)
         record.skipped_events = [e for b in self.branches for e in b.record.skipped_events]
+        # SPEC O7: its usage is its branches' together, its cost theirs at each one's price.
+        used = [b.record for b in self.branches if b.record.usage]
+        if used:
+            record.usage = {key: sum(r.usage.get(key) or 0 for r in used if r.usage)
+                            for key in ("prompt_tokens", "completion_tokens", "total_tokens",
+                                        "cache_read_tokens", "cache_write_tokens")}
+            costs = [exchange.relay.clients.cost(r) for r in used]
+            record.cost_usd = (None if any(c is None for c in costs)
+                               else round(sum(c or 0.0 for c in costs), 6))
         # The branches wait side by side: the request waited as long as its longest wait
         # (a branch that left while queued included); run time is the lanes' time, summed.
         waits = [b.record.queue_ms for b in self.branches if b.record.queue_ms is not None]

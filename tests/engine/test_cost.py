@@ -99,3 +99,32 @@ async def test_each_record_carries_its_cost(
     assert priced["cost_usd"] == expected and priced["client"] == "default"
     assert unknown["cost_usd"] is None and unknown["usage"]["prompt_tokens"] == 3
     assert fake["cost_usd"] is None
+
+
+async def test_a_fanouts_cost_is_its_branches_at_each_ones_price(
+        nursery: trio.Nursery, tmp_path: Path, client: httpx.AsyncClient) -> None:
+    served = await start_relay(nursery, """
+[server]
+records = "records.jsonl"
+[providers.fake]
+adapter = "fake"
+models = ["echo"]
+[providers.fake.prices."echo"]
+input = 1.0
+output = 2.0
+[providers.dear]
+adapter = "fake"
+models = ["echo"]
+[providers.dear.prices."echo"]
+input = 10.0
+output = 20.0
+""", tmp_path)
+    r = await client.post(served.url + "/relay/v1/fanout", json={
+        "models": ["fake/echo", "dear/echo"],
+        "messages": [{"role": "user", "content": "one two three"}]})
+    assert r.status_code == 200, r.text
+    await wait_for(lambda: len(records(tmp_path)) == 1)
+    record = records(tmp_path)[0]
+    # each branch: 3 words in, 3 out
+    assert record["usage"]["total_tokens"] == 12
+    assert record["cost_usd"] == round((3 * 1 + 3 * 2 + 3 * 10 + 3 * 20) / 1e6, 6)
