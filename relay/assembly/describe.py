@@ -68,6 +68,23 @@ def resolution(config: Config, name: str) -> str:
     return "404 unknown_model: no route, provider or route pattern takes it"
 
 
+def _client_lines(config: Config) -> list[str]:
+    """``[clients.NAME]`` (SPEC L14): each client's token variable (never the token), its
+    priority, models, weight and limits."""
+    if not config.clients:
+        return ["clients: none ([clients] not set): every request is the client 'default'"
+                + (f", with the token from {config.server.token_env}"
+                   if config.server.token_env else "")]
+    lines = ["clients:"]
+    for name, c in config.clients.items():
+        token = (f"token from {c.token_env}" if c.token_env else
+                 f"token from {config.server.token_env} ([server])"
+                 if config.server.token_env else "no token: the requests without one")
+        lines.append(f"  {name}: {token}; priority {c.priority}, weight {c.weight:g}; "
+                     f"models: {', '.join(c.models)}; {c.limits_text()}")
+    return lines
+
+
 def describe_config(config: Config, names: tuple[str, ...] = ()) -> str:
     """The config as `relay config check` prints it; ``names``: model names to resolve
     beside the agents' own (`AGENT_MODELS`)."""
@@ -100,6 +117,7 @@ def describe_config(config: Config, names: tuple[str, ...] = ()) -> str:
         lines.append("  (none)")
     lines.append("routes:")
     lines += [_route_line(route) for route in config.routes.values()] or ["  (none)"]
+    lines += _client_lines(config)
     lines.append("model names, resolved (an exact route, PROVIDER/MODEL or a listed model "
                  "first, then the pattern with the longest literal prefix):")
     asked = [(name, "asked") for name in names]

@@ -4,6 +4,7 @@ that the caller gives (this layer never imports the adapters). See `relay.config
 from .load import (
     COMMON_PROVIDER_KEYS,
     PACKAGED_DEFAULT,
+    ClientConfig,
     Config,
     Registry,
     RouteConfig,
@@ -15,6 +16,6 @@ from .load import (
     parse_config,
 )
 
-__all__ = ["COMMON_PROVIDER_KEYS", "PACKAGED_DEFAULT", "Config", "Registry", "RouteConfig",
-           "ServerConfig", "best_pattern", "check_target", "default_config_path", "load_config",
-           "parse_config"]
+__all__ = ["COMMON_PROVIDER_KEYS", "PACKAGED_DEFAULT", "ClientConfig", "Config", "Registry",
+           "RouteConfig", "ServerConfig", "best_pattern", "check_target", "default_config_path",
+           "load_config", "parse_config"]

@@ -23,6 +23,7 @@ import attrs
 
 from relay.api.adapter import Adapter
 from relay.vocab.errors import ConfigError
+from relay.vocab.prices import Price
 from relay.vocab.profile import (
     MAX_UPSTREAM_BYTES,
     REQUIRED_PROFILE_FIELDS,
@@ -32,6 +33,7 @@ from relay.vocab.profile import (
     default_state_dir,
 )
 
+from .clients import ClientConfig, load_clients
 from .routes import best_pattern, check_target, load_routes
 from .schema import COMMON_PROVIDER_KEYS, Config, RouteConfig, ServerConfig, _ProfileTable
 from .server import _check_coordination, _check_server, check_shared
@@ -49,6 +51,7 @@ __all__ = [
     "COMMON_PROVIDER_KEYS",
     "MAX_UPSTREAM_BYTES",
     "PACKAGED_DEFAULT",
+    "ClientConfig",
     "Config",
     "Registry",
     "RouteConfig",
@@ -121,16 +124,19 @@ def parse_config(
         if not isinstance(data.get("server", {}), dict):
             data["server"] = {}
         data["server"] = {**data.get("server", {}), **server_overrides}
+    tables = ("server", "providers", "routes", "clients")
     for key in data:
-        if key not in ("server", "providers", "routes"):
-            problems.append(f"[{key}]: unknown table"
-                            f"{did_you_mean(key, ('server', 'providers', 'routes'))}; "
-                            "expected [server], [providers.NAME] or [routes.NAME]")
+        if key not in tables:
+            problems.append(f"[{key}]: unknown table{did_you_mean(key, tables)}; expected "
+                            "[server], [providers.NAME], [routes.NAME] or [clients.NAME]")
 
     server = structure_table(data.get("server", {}), ServerConfig, "server", problems)
+    clients: dict[str, ClientConfig] = {}
     if server is not None:
-        _check_server(server, env, problems)
+        _check_server(server, env, problems, clients=bool(data.get("clients")))
         _check_coordination(server, env, problems)
+        clients = load_clients(data.get("clients", {}), server.token_env, server.host, env,
+                               problems)
 
     providers: dict[str, ProviderConfig] = {}
     raw_providers = data.get("providers", {})
@@ -150,12 +156,13 @@ def parse_config(
         raise ConfigError([f"{source}: {p}" for p in problems])
     assert server is not None
     del packaged  # the packaged default never names a records path: it uses the state dir
-    secret_env = _secret_env([server, *(p.settings for p in providers.values())])
+    secret_env = _secret_env([server, *(p.settings for p in providers.values()),
+                              *clients.values()])
     providers = {name: attrs.evolve(p, max_upstream_bytes=server.max_upstream_bytes,
                                     secret_env=secret_env) for name, p in providers.items()}
     return Config(server=server, providers=providers, routes=routes, source=source,
                   records_path=_records_path(server, base_dir),
-                  server_overrides=dict(server_overrides or {}),
+                  server_overrides=dict(server_overrides or {}), clients=clients,
                   warnings=tuple(f"{source}: {w}" for w in warnings))
 
 
@@ -212,11 +219,13 @@ def _load_provider(
     if settings is None or overrides is None or len(problems) > before:
         return None
     limits = _model_limits(where, common.get("limits", {}), problems)
+    prices = _model_prices(where, common.get("prices", {}), problems)
     profile = _profile(where, name, kind, adapter, settings, overrides, problems, warnings)
-    if profile is None or limits is None:
+    if profile is None or limits is None or prices is None:
         return None
     return ProviderConfig(
         name=name, adapter=kind, profile=profile, settings=settings, **values, limits=limits,
+        prices=prices,
         secret_envs=tuple(adapter.secret_envs(settings)),
         secret_values=tuple(adapter.secret_values(settings)),
         profile_from_file=frozenset(k for k, val in attrs.asdict(overrides).items()
@@ -236,6 +245,20 @@ def _model_limits(where: str, table: Any, problems: list[str]
         if found is not None:
             limits[model] = found
     return limits if len(limits) == len(table) else None
+
+
+def _model_prices(where: str, table: Any, problems: list[str]) -> dict[str, Price] | None:
+    """``[providers.NAME.prices."MODEL"]``: US dollars per million tokens (SPEC O7)."""
+    if not isinstance(table, dict):
+        problems.append(f"[{where}.prices]: must be a table of models, each a table "
+                        "(input, cached_input, cache_write, output)")
+        return None
+    prices: dict[str, Price] = {}
+    for model, figures in table.items():
+        found = structure_table(figures, Price, f'{where}.prices."{model}"', problems)
+        if found is not None:
+            prices[model] = found
+    return prices if len(prices) == len(table) else None
 
 
 def _unknown_kind(where: str, kind: Any, table: dict[str, Any],

@@ -21,6 +21,7 @@ from relay.vocab.profile import (
     positive,
 )
 
+from .clients import ClientConfig
 from .coordination_url import parse_url
 
 Registry = Mapping[str, "type[Adapter]"]
@@ -74,7 +75,7 @@ class ServerConfig:
 
 
 COMMON_PROVIDER_KEYS = ("adapter", "models", "prefill", "check_interval_s", "check_model",
-                        "profile", "strict_fields", "shared", "limits")
+                        "profile", "strict_fields", "shared", "limits", "prices")
 
 
 def _optional_positive(inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:
@@ -132,9 +133,12 @@ class Config:
     records_path: Path | None = None  # None: records off
     warnings: tuple[str, ...] = ()
     server_overrides: Mapping[str, Any] = attrs.field(factory=dict)  # kept for reloads
+    # SPEC L14: ``[clients.NAME]``; empty: every request is the client ``default``.
+    clients: Mapping[str, ClientConfig] = attrs.field(factory=dict)
 
     def secrets(self, environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
-        """Every configured secret's value (SPEC E1): relay's token, each provider's key,
+        """Every configured secret's value (SPEC E1): relay's token and each client's, each
+        provider's key,
         the values of its ``headers``, ``proxy`` and CLI ``env`` tables. Values are read
         from ``environ`` (default: the process environment) now, as the adapters read
         them; `relay.vocab.redact` keeps those long enough to redact."""
@@ -145,6 +149,7 @@ class Config:
             names += provider.secret_envs
             values += provider.secret_values
         values += [env.get(name) or "" for name in names]
+        values += [c.token for c in self.clients.values() if c.token]  # SPEC L14
         url = self.coordination_url(env)
         if url:  # SPEC E1: the coordination password is a secret too
             values += [url, *_url_passwords(url)]

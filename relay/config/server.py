@@ -17,7 +17,8 @@ from .schema import ServerConfig
 Registry = Mapping[str, "type[Adapter]"]
 
 
-def _check_server(server: ServerConfig, env: Mapping[str, str], problems: list[str]) -> None:
+def _check_server(server: ServerConfig, env: Mapping[str, str], problems: list[str], *,
+                  clients: bool = False) -> None:
     if server.token_env is not None and not env.get(server.token_env):
         problems.append(f"[server] token_env: the environment variable {server.token_env} "
                         "is not set (or empty); clients must send its value as a bearer token")
@@ -26,7 +27,7 @@ def _check_server(server: ServerConfig, env: Mapping[str, str], problems: list[s
                         "Ollama's API is served on the main port already: pick another "
                         "port (11434, where Ollama's apps look), or 0 (off)")
     if not is_loopback_host(server.host):
-        if server.token_env is None:
+        if server.token_env is None and not clients:  # (with clients: their tokens)
             problems.append(f"[server] token_env: required when host is {server.host!r} "
                             "(not a loopback address): name the variable holding the token")
         if not server.allowed_hosts:

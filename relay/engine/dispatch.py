@@ -59,17 +59,17 @@ logger = logging.getLogger("relay.dispatch")
 
 class Dispatcher:
     def __init__(self, relay: Engine, plan: Plan, call: Call, priority: str,
-                 record: Record, stop: RequestStop, stream: bool) -> None:
+                 record: Record, stop: RequestStop, stream: bool, *,
+                 client_weight: float = 1.0) -> None:
         self.relay, self.plan, self.base_call, self.priority = relay, plan, call, priority
+        # SPEC L14: whose request it is (the record's client), and its weight in turns
+        # inside a priority class of a lane's queue ("default": relay without [clients]).
+        self.client, self.client_weight = record.client, client_weight
         self.record = record
         self.stop = stop
         self.stream = stream
         self.runs: list[Run] = []
         self.notices: LaneNotices | None = None  # made when it runs (it needs the nursery)
-        # Who asks (SPEC L14): inside a priority class, clients take turns in a lane's
-        # queue, weighted by their weight. "default": relay without [clients].
-        self.client: str = "default"
-        self.client_weight: float = 1.0
 
     @property
     def heartbeat_s(self) -> float:
@@ -331,7 +331,11 @@ class Dispatcher:
             # The attempt holds its adapter from before it queues until its lane slot is
             # back: a reload that retires the adapter closes it only after that.
             with run.scope, provider.handle.use() as adapter:
-                async with metering.slot(self, run, lambda: notices.queued(run)) as ticket:
+                gate = self.relay.clients.gate(self.client)  # SPEC L14: its gate first
+                async with gate.enter_call(run.call, provider.config.profile.queue_timeout_s,
+                                           lambda: notices.queued(run, gate.statistics),
+                                           self.record, lambda: run.sink.usage), \
+                        metering.slot(self, run, lambda: notices.queued(run)) as ticket:
                     notices.drop(run)  # it waits no more
                     self.record.queue_ms = round((self.record.queue_ms or 0.0)
                                                  + ticket.queue_s * 1000, 3)

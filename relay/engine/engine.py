@@ -28,6 +28,7 @@ from relay.vocab.errors import ConfigError, RelayError
 from relay.vocab.profile import ProviderConfig
 from relay.vocab.records import RecordWriter
 
+from .clients import Clients
 from .providers import AdapterHandle, Provider, discover
 from .response_store import ResponseStore
 from .stops import RequestStop
@@ -67,6 +68,14 @@ class Engine:
         self.usage = (UsageStore(config.records_path) if config.records_path is not None
                       else None)
         records.relay_id = config.relay_id
+        # SPEC L14, O7: each record's cost, each client's spend (seeded from this month's
+        # records: a restart does not reset a client's limits) and per-minute gate.
+        self.clients = Clients(lambda: self.config, records.clock)
+        records.completers.append(self.clients.complete)
+        seeded = self.clients.seed(records.path, config.server.records_keep)
+        if seeded:
+            logger.info("clients' spend this month read from %d records in %s", seeded,
+                        records.path)
 
     # --- providers and their adapters ------------------------------------------------------
     async def open_providers(self) -> None:

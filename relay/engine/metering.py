@@ -65,8 +65,8 @@ class Attempting(Protocol):
     """What metering reads of the request whose attempts it meters (the dispatcher)."""
 
     priority: str
-    client: str  # who asks, and its share of the turns (SPEC L14)
-    client_weight: float
+    client: str            # SPEC L14: the client whose request it is (its name)
+    client_weight: float   # ... and its weight in turns between clients
     plan: Plan
     record: Record
     stream: bool

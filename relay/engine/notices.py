@@ -9,12 +9,13 @@ has to wait for room.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import trio
 
 from relay.api import eager
-from relay.vocab.events import Queued, Started
+from relay.vocab.events import LaneStatistics, Queued, Started
 
 from .attempt import Run
 
@@ -31,13 +32,15 @@ class LaneNotices:
         # queue (a `Queued` sent, or on its way) until it is told the wait is over.
         self.waiting = False
 
-    def queued(self, run: Run) -> None:
+    def queued(self, run: Run, statistics: Callable[[], LaneStatistics] | None = None
+               ) -> None:
         """The attempt has to wait in its provider's queue (the lane calls this at once,
-        synchronously): tell the writer, so it sends waiting notices."""
+        synchronously), or at its client's gate (``statistics``: the gate's, SPEC L14):
+        tell the writer, so it sends waiting notices."""
         run.queued_at = trio.current_time()
         if run.sink.closed:
             return
-        notice = Queued(run.target.provider.lane.statistics)
+        notice = Queued(statistics or run.target.provider.lane.statistics)
         self.waiting = True  # told now or later: the grant must end the notices
         try:
             self._out.send_nowait(notice)

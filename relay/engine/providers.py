@@ -140,8 +140,8 @@ class Provider:
         factory=lambda: Conversations(trio.current_time))
     # SPEC L12: what the provider counts of relay's estimate, per model and script.
     input_ratio: InputRatio = attrs.field(factory=InputRatio)
-    # Attempts in flight → (request id, route, priority); see `track`.
-    _in_flight: weakref.WeakKeyDictionary[InFlight, tuple[str, str | None, str]] = (
+    # Attempts in flight → (request id, route, priority, client); see `track`.
+    _in_flight: weakref.WeakKeyDictionary[InFlight, tuple[str, str | None, str, str]] = (
         attrs.field(factory=weakref.WeakKeyDictionary))
 
     @property
@@ -192,7 +192,7 @@ class Provider:
     def track(self, attempt: InFlight, request: Record, priority: str) -> None:
         """List ``attempt`` (of ``request``) in the status while it is in flight: from
         before it queues until its lane slot is back (its ``finished_at``)."""
-        self._in_flight[attempt] = (request.id, request.route, priority)
+        self._in_flight[attempt] = (request.id, request.route, priority, request.client)
 
     def requests(self, clock: Clock) -> list[dict[str, Any]]:
         """The attempts in flight here: running ones (and stopping ones: timed out, their
@@ -203,7 +203,7 @@ class Provider:
         meter = getattr(self.lane, "budget", None)
         meter = meter if isinstance(meter, Meter) else None  # (a shared lane: its server)
         listed: list[tuple[tuple[int, int, float], dict[str, Any]]] = []
-        for run, (request_id, route, priority) in list(self._in_flight.items()):
+        for run, (request_id, route, priority, client) in list(self._in_flight.items()):
             if run.finished_at is not None:
                 continue
             started, running = run.record.started, run.running_since
@@ -214,7 +214,8 @@ class Provider:
             order = (int(running is None), PRIORITIES.get(priority, 1), running or started)
             listed.append((order, {
                 "id": request_id, "model": run.record.model, "route": route,
-                "priority": priority, "state": state, "since": clock.iso(started),
+                "priority": priority, "client": client, "state": state,
+                "since": clock.iso(started),
                 "queued_s": round((running if running is not None else now) - started, 3),
                 "running_s": round(now - running, 3) if running is not None else None,
             }))
@@ -223,10 +224,10 @@ class Provider:
 
     def ps(self, clock: Clock) -> list[dict[str, Any]]:
         """This provider's lines of the status's ``requests`` (`relay ps`): what runs and
-        waits here now, each with its client (``default``: relay has no clients yet) and
+        waits here now, each with its client (SPEC L14: its name, never its token) and
         how long it has been in its present state."""
         lines: list[dict[str, Any]] = redact.redact_obj([
-            {"provider": self.name, "model": entry["model"], "client": "default",
+            {"provider": self.name, "model": entry["model"], "client": entry["client"],
              "priority": entry["priority"], "state": entry["state"],
              "for_s": entry["running_s"] if entry["running_s"] is not None
              else entry["queued_s"]}

@@ -34,7 +34,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -43,6 +43,7 @@ from relay.capacity.lanes import Ticket
 from relay.vocab.errors import RelayError
 from relay.vocab.records import Attempt, Record
 
+from .gate import Gate
 from .plan import RETRY_ON, Plan, Target
 from .stops import RequestStop
 
@@ -54,7 +55,8 @@ T = TypeVar("T")
 
 
 async def run_whole(plan: Plan, record: Record, stop: RequestStop, priority: str,
-                    work: Callable[[Adapter], Awaitable[T]], *, lane: bool = True) -> T:
+                    work: Callable[[Adapter], Awaitable[T]], *, lane: bool = True,
+                    gate: Gate | None = None) -> T:
     """Run ``work`` on the plan's primary target and return what it returns.
 
     Args:
@@ -64,6 +66,7 @@ async def run_whole(plan: Plan, record: Record, stop: RequestStop, priority: str
         priority: the lane priority (SPEC L8).
         work: the adapter call, given the adapter the attempt holds.
         lane: take a slot in the provider's lane (False: a metadata call, see above).
+        gate: the client's gate (SPEC L14), passed before the lane.
 
     Raises:
         RelayError: the attempt's failure, ``shutting_down`` when a drain stopped it.
@@ -75,7 +78,8 @@ async def run_whole(plan: Plan, record: Record, stop: RequestStop, priority: str
     with stop.open_scope():
         for attempt_no in range(1 + plan.retries):
             try:
-                return await _attempt(plan, target, record, priority, work, lane, deadline)
+                return await _attempt(plan, target, record, priority, work, lane, deadline,
+                                      gate)
             except RelayError as exc:
                 wait = exc.retry_after_s or 0.0
                 if (exc.reason not in RETRY_ON or attempt_no == plan.retries
@@ -89,7 +93,7 @@ async def run_whole(plan: Plan, record: Record, stop: RequestStop, priority: str
 
 async def _attempt(plan: Plan, target: Target, record: Record, priority: str,
                    work: Callable[[Adapter], Awaitable[T]], use_lane: bool,
-                   budget_deadline: float) -> T:
+                   budget_deadline: float, gate: Gate | None) -> T:
     provider = target.provider
     started = trio.current_time()
     attempt = Attempt(provider=provider.name, model=target.model, role=target.role,
@@ -112,7 +116,7 @@ async def _attempt(plan: Plan, target: Target, record: Record, priority: str,
             slot: contextlib.AbstractAsyncContextManager[Ticket | None] = (
                 provider.lane.slot(priority, on_queued=queued) if use_lane
                 else contextlib.nullcontext(None))
-            async with slot as ticket:
+            async with _passing(gate if use_lane else None, target, queued), slot as ticket:
                 begun = trio.current_time()
                 limit = provider.config.profile.run_timeout_s
                 try:
@@ -146,6 +150,16 @@ async def _attempt(plan: Plan, target: Target, record: Record, priority: str,
                          f"{record.id}", provider=provider.name) from exc
     finally:
         _account(record, attempt, ticket, queued_at, ran, failure)
+
+
+def _passing(gate: Gate | None, target: Target, queued: Callable[[], None]
+             ) -> contextlib.AbstractAsyncContextManager[Any]:
+    """The client's gate (SPEC L14), passed before the lane, within the lane's queue
+    timeout; nothing without one."""
+    if gate is None:
+        return contextlib.nullcontext()
+    timeout = target.provider.config.profile.queue_timeout_s
+    return gate.enter(0, trio.current_time() + timeout, queued)
 
 
 def _account(record: Record, attempt: Attempt, ticket: Ticket | None,

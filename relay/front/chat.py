@@ -28,7 +28,7 @@ import trio
 from relay.capacity.lanes import PRIORITIES
 from relay.dialects.base import ChatInput
 from relay.engine.dispatch import Dispatcher
-from relay.engine.plan import Plan, make_plan
+from relay.engine.plan import Plan, Target, make_plan
 from relay.engine.stops import RequestStop
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call, Inbound
@@ -37,19 +37,61 @@ from .asgi import header
 from .exchange import Exchange
 from .writers import JSONWriter, StreamWriter
 
-__all__ = ["CHANNEL_SIZE", "Chat", "priority_of"]
+__all__ = ["CHANNEL_SIZE", "Chat", "plan_for", "priority_of", "reserve_cost"]
 
 CHANNEL_SIZE = 64
 
 
 def priority_of(exchange: Exchange) -> str:
-    """The request's ``X-Relay-Priority`` (SPEC L8), checked."""
-    priority = (header(exchange.scope, b"x-relay-priority") or "normal").strip().lower()
-    if priority not in PRIORITIES:
-        raise RelayError("invalid_request", f"X-Relay-Priority must be one of "
-                         f"{', '.join(PRIORITIES)}, not {priority!r}")
+    """The request's priority (SPEC L8, L14): a configured client's default class, which
+    ``X-Relay-Priority`` may lower, never raise (a higher one is the client's own);
+    without ``[clients]``, the header's, as before (default ``normal``)."""
+    client = exchange.relay.config.clients.get(exchange.client)
+    asked = header(exchange.scope, b"x-relay-priority")
+    priority = client.priority if client is not None else "normal"
+    if asked is not None:
+        asked = asked.strip().lower()
+        if asked not in PRIORITIES:
+            raise RelayError("invalid_request", f"X-Relay-Priority must be one of "
+                             f"{', '.join(PRIORITIES)}, not {asked!r}")
+        if client is None or PRIORITIES[asked] > PRIORITIES[priority]:
+            priority = asked
     exchange.record.priority = priority
     return priority
+
+
+def plan_for(exchange: Exchange, model: str, fallbacks: Any) -> Plan:
+    """The request's plan, for its client (SPEC L14): every model it names (the body's
+    ``fallbacks`` too) must be one its client may use (``forbidden_model`` 403), and its
+    per-day and per-month limits must not be spent (``client_limit`` 429), before
+    anything is queued."""
+    clients = exchange.relay.clients
+    client = clients.client(exchange.client)
+    names = [model, *(f for f in fallbacks if isinstance(f, str))] if isinstance(
+        fallbacks, list) else [model]
+    refused = [name for name in names if not client.may_use(name)]
+    if refused:
+        raise RelayError("forbidden_model", f"client {client.name!r} may not use "
+                         f"{', '.join(map(repr, refused))}; the models it may use: "
+                         f"{', '.join(client.models)}", param="model",
+                         action=f"name one of those models, or add it to models in "
+                                f"[clients.{client.name}]")
+    plan = make_plan(exchange.relay, model, fallbacks)
+    clients.admit(client, exchange.record.id, None)
+    return plan
+
+
+def reserve_cost(exchange: Exchange, target: Target, call: Call) -> None:
+    """Reserve the call's estimated cost against its client's dollar limits (SPEC O7);
+    the request's record settles it to the real cost."""
+    clients = exchange.relay.clients
+    client = clients.client(exchange.client)
+    if not (client.usd_per_day or client.usd_per_month):
+        return
+    budget = getattr(target.provider.lane, "budget", None)
+    learned = budget.learned.output(call.model) if budget is not None else None
+    clients.reserve_more(client, exchange.record.id,
+                         clients.estimate_usd(target.provider.config, call, learned))
 
 
 def inbound_of(exchange: Exchange, inbound: Inbound) -> Inbound:
@@ -103,7 +145,7 @@ class Chat:
         record.requested_model = chat.model
         record.stream = chat.stream
         refuse_when_draining(exchange)
-        plan = make_plan(exchange.relay, chat.model, chat.fallbacks)
+        plan = plan_for(exchange, chat.model, chat.fallbacks)
         primary = plan.targets[0]
         record.route = plan.route.name if plan.route else None
         record.provider, record.model = primary.provider.name, primary.model
@@ -113,6 +155,7 @@ class Chat:
                     inbound=inbound_of(exchange, chat.inbound))
         if len(plan.targets) == 1:
             primary.provider.adapter.check_call(call)  # a plain 400, before anything else
+        reserve_cost(exchange, primary, call)
         exchange.include_usage = chat.include_usage
         exchange.prompt_chars = prompt_chars(chat.messages)
         exchange.progress_events = (
@@ -125,8 +168,10 @@ class Chat:
         out, events = trio.open_memory_channel[Any](CHANNEL_SIZE)
         writer = (StreamWriter if self.call.stream else JSONWriter)(
             exchange, self.plan.targets[0].name)
-        self.dispatcher = Dispatcher(exchange.relay, self.plan, self.call, self.priority,
-                                     exchange.record, stop, self.call.stream)
+        self.dispatcher = Dispatcher(
+            exchange.relay, self.plan, self.call, self.priority, exchange.record, stop,
+            self.call.stream, client_weight=exchange.relay.clients.client(
+                exchange.client).weight)
         nursery.start_soon(self.dispatcher.run, nursery, out)
         try:
             await writer.pump(events)

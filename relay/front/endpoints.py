@@ -33,13 +33,13 @@ from relay.dialects.openai_embeddings import (
     render_embeddings,
 )
 from relay.engine.engine import Engine
-from relay.engine.plan import Plan, Target, make_plan
+from relay.engine.plan import Plan, Target
 from relay.engine.stops import RequestStop
 from relay.engine.unary import run_whole
 from relay.vocab.errors import RelayError, untraced
 from relay.vocab.events import Call
 
-from .chat import priority_of, refuse_when_draining
+from .chat import plan_for, priority_of, refuse_when_draining
 from .exchange import Exchange
 
 __all__ = ["CountTokens", "Embed"]
@@ -47,7 +47,7 @@ __all__ = ["CountTokens", "Embed"]
 
 def _plan(exchange: Exchange, model: str) -> tuple[Plan, Target]:
     refuse_when_draining(exchange)
-    plan = make_plan(exchange.relay, model, None)
+    plan = plan_for(exchange, model, None)
     target = plan.targets[0]
     record = exchange.record
     record.route = plan.route.name if plan.route else None
@@ -110,7 +110,8 @@ class Embed:
         try:
             result: Embeddings = await run_whole(
                 self.plan, exchange.record, stop, self.priority,
-                lambda adapter: adapter.embed(call))
+                lambda adapter: adapter.embed(call),
+                gate=exchange.relay.clients.gate(exchange.client))
             body = self.render(result, target)
         except RelayError as exc:
             failed = untraced(exc)  # kept as data: a traceback would hold this frame

@@ -88,8 +88,10 @@ class Exchange:
         self._send = send
         self.server = relay.config.server
         self.writes_bounded = scope.get("relay.writes_bounded", False)
+        # SPEC L14: the client the guard found by the token (never the token itself).
+        self.client: str = scope.get("relay.client", "default")
         self.record = Record(id=scope["relay.request_id"], started_at=trio.current_time(),
-                             endpoint=scope["path"])
+                             endpoint=scope["path"], client=self.client)
         scope["relay.record"] = self.record  # the guard's log line reads the model, reason
         self.phase = Phase.RECEIVED
         self.request_scope = trio.CancelScope()  # the request's nursery's, once it runs

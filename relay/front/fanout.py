@@ -24,13 +24,13 @@ import trio
 from relay.dialects.base import Answer, dumps, merge_delta, new_choice
 from relay.dialects.openai_chat import OPENAI, load_json, parse_chat_body
 from relay.engine.dispatch import Dispatcher
-from relay.engine.plan import Plan, make_plan
+from relay.engine.plan import Plan
 from relay.engine.stops import RequestStop
 from relay.vocab.errors import RelayError
 from relay.vocab.events import AttemptStarted, Call, Delta, Ended, Finish, Skipped, Usage
 from relay.vocab.records import Record
 
-from .chat import CHANNEL_SIZE, priority_of, refuse_when_draining
+from .chat import CHANNEL_SIZE, plan_for, priority_of, refuse_when_draining, reserve_cost
 from .exchange import Exchange
 from .writers import COALESCE_MAX
 
@@ -80,15 +80,17 @@ class Fanout:
         params = {k: v for k, v in data.items()
                   if k not in ("model", "messages", "stream", "fallbacks")}
         for i, name in enumerate(models):
-            plan = make_plan(exchange.relay, name, data.get("fallbacks"))
+            plan = plan_for(exchange, name, data.get("fallbacks"))
             target = plan.targets[0]
             call = Call(request_id=f"{record.id}.{i}", provider=target.provider.name,
                         model=target.model, messages=data["messages"],
                         stream=self.stream, params=params)
             if len(plan.targets) == 1:
                 target.provider.adapter.check_call(call)
+            reserve_cost(exchange, target, call)
             branch_record = Record(id=call.request_id, started_at=record.started_at,
-                                   priority=self.priority, stream=self.stream)
+                                   priority=self.priority, stream=self.stream,
+                                   client=exchange.client)
             self.branches.append(_Branch(i, name, plan, branch_record))
         self.base_call = Call(request_id=record.id, provider="", model="",
                               messages=data["messages"], stream=self.stream, params=params)
@@ -117,6 +119,15 @@ class Fanout:
         record.attempts = [a for b in self.branches for a in b.record.attempts]
         record.fallback_triggered = any(b.record.fallback_triggered for b in self.branches)
         record.skipped_events = [e for b in self.branches for e in b.record.skipped_events]
+        # SPEC O7: its usage is its branches' together, its cost theirs at each one's price.
+        used = [b.record for b in self.branches if b.record.usage]
+        if used:
+            record.usage = {key: sum(r.usage.get(key) or 0 for r in used if r.usage)
+                            for key in ("prompt_tokens", "completion_tokens", "total_tokens",
+                                        "cache_read_tokens", "cache_write_tokens")}
+            costs = [exchange.relay.clients.cost(r) for r in used]
+            record.cost_usd = (None if any(c is None for c in costs)
+                               else round(sum(c or 0.0 for c in costs), 6))
         # The branches wait side by side: the request waited as long as its longest wait
         # (a branch that left while queued included); run time is the lanes' time, summed.
         waits = [b.record.queue_ms for b in self.branches if b.record.queue_ms is not None]
@@ -137,7 +148,9 @@ class Fanout:
         call = attrs.evolve(self.base_call, request_id=branch.record.id,
                             provider=target.provider.name, model=target.model)
         dispatcher = Dispatcher(exchange.relay, branch.plan, call, self.priority,
-                                branch.record, stop, self.stream)
+                                branch.record, stop, self.stream,
+                                client_weight=exchange.relay.clients.client(
+                                    exchange.client).weight)
         nursery.start_soon(dispatcher.run, nursery, events_out)
         tag = {"model": branch.name, "index": branch.index}
         choices: dict[int, dict[str, Any]] = {}

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from relay.config.clients import DEFAULT_CLIENT
 from relay.dialects.base import Dialect
 from relay.dialects.gemini_generate import GEMINI
 from relay.engine.engine import Engine
@@ -84,7 +85,16 @@ class Guard:
         self.loopback = is_loopback_host(server.host)
         self.allowed_hosts = {h.lower() for h in server.allowed_hosts}
         self.origins = set(server.cors_origins)
-        self.token = os.environ.get(server.token_env) if server.token_env else None
+        # SPEC L14: every token relay accepts, with the client it names ([server]
+        # token_env: the client ``default``); compared in constant time, each of them.
+        token = os.environ.get(server.token_env) if server.token_env else None
+        self.tokens: list[tuple[bytes, str]] = [(token.encode(), DEFAULT_CLIENT)] if token else []
+        self.tokens += [(c.token.encode(), c.name) for c in relay.config.clients.values()
+                        if c.token]
+        default = relay.config.clients.get(DEFAULT_CLIENT)
+        # A request without a token is the client ``default`` when that client has none.
+        self.tokenless = not self.tokens or (default is not None and default.token is None
+                                             and not token)
         self.max_body = server.max_body_bytes
         self.body_timeout_s = server.body_timeout_s
 
@@ -174,25 +184,17 @@ class Guard:
                               f"{origin!r} are not allowed; add it to [server] cors_origins "
                               "to allow it")
         # The status page (/) holds no data; it asks for the token and sends it itself.
-        if self.token is not None and scope["path"] not in ("/healthz", "/") and scope[
+        if self.tokens and scope["path"] not in ("/healthz", "/") and scope[
                 "method"] != "OPTIONS":
-            scheme, _, value = (header(scope, b"authorization") or "").partition(" ")
-            if scheme.lower() != "bearer":
-                # Anthropic's clients send their key as x-api-key; Google's (under /v1beta,
-                # and under /v1/models, its SDKs' default version: SPEC A9) as
-                # x-goog-api-key or ?key=.
-                value = header(scope, b"x-api-key") or ""
-                path = scope["path"]
-                if not value and (path.startswith(("/v1beta/", "/v1/models/"))
-                                  or path == "/v1/models"):
-                    value = header(scope, b"x-goog-api-key") or _query_key(scope)
-            if not value or not hmac.compare_digest(value.strip().encode(),
-                                                    self.token.encode()):
+            client = self._client(scope)
+            if client is None:
                 return RelayError("unauthorized", "this relay requires a token: send "
                                   "'Authorization: Bearer <token>' or 'x-api-key: <token>' "
                                   "('x-goog-api-key: <token>' or '?key=<token>' on "
-                                  "Google's paths) (the value of the variable named by "
-                                  "[server] token_env)")
+                                  "Google's paths): the value of the variable named by "
+                                  "[server] token_env, or by your client's [clients.NAME] "
+                                  "token_env")
+            scope["relay.client"] = client
         if scope["method"] in ("POST", "PUT", "PATCH"):
             length = header(scope, b"content-length")
             ctype = (header(scope, b"content-type") or "").split(";")[0].strip().lower()
@@ -209,6 +211,28 @@ class Guard:
                                   status=413)
         return None
 
+    def _client(self, scope: Scope) -> str | None:
+        """The client the request's token names (SPEC L14); None: refused (a wrong token,
+        or none where every request needs one)."""
+        scheme, _, value = (header(scope, b"authorization") or "").partition(" ")
+        if scheme.lower() != "bearer":
+            # Anthropic's clients send their key as x-api-key; Google's (under /v1beta,
+            # and under /v1/models, its SDKs' default version: SPEC A9) as
+            # x-goog-api-key or ?key=.
+            value = header(scope, b"x-api-key") or ""
+            path = scope["path"]
+            if not value and (path.startswith(("/v1beta/", "/v1/models/"))
+                              or path == "/v1/models"):
+                value = header(scope, b"x-goog-api-key") or _query_key(scope)
+        presented = value.strip().encode()
+        if not presented:
+            return DEFAULT_CLIENT if self.tokenless else None
+        found: str | None = None
+        for token, name in self.tokens:  # every one: no early exit
+            if hmac.compare_digest(presented, token) and found is None:
+                found = name
+        return found
+
     def _record(self, scope: Scope, error: RelayError | None) -> None:
         """A relay-route request refused here (or whose client left while sending its body,
         ``error`` None) still gets its one record (DESIGN invariant 5)."""
@@ -224,6 +248,7 @@ class Guard:
                 record = Record(id=scope["relay.request_id"], started_at=now,
                                 endpoint=scope["path"], status=error.status,
                                 reason=error.reason, phase=error.phase)
+            record.client = scope.get("relay.client", DEFAULT_CLIENT)
             scope["relay.record"] = record  # for the exchange's log line
             self.relay.records.write(record)
 

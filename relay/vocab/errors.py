@@ -7,6 +7,8 @@ code, and the only place it lives::
 
     RelayError(reason, message, ...)
       phase capacity    429  provider_queue_full, provider_queue_timeout   (+ Retry-After)
+                        429  client_limit (a client's day or month is spent, L14: Retry-
+                             After = the window's reset, up to a month)
                         400  request_too_large   (its own token estimate exceeds a per-
                              minute budget, L12: not retryable, fallback-eligible)
       phase quota       429  quota_exhausted                               (Retry-After 600)
@@ -18,7 +20,7 @@ code, and the only place it lives::
                              stream_cut
       phase rejected    400  context_too_long; rejected (the provider's own 4xx)
       phase request     4xx  unsupported, invalid_request, unknown_model, unauthorized,
-                             forbidden_origin, bad_host
+                             forbidden_origin, bad_host, forbidden_model (403, L14)
       phase shutdown    503  shutting_down                                 (+ Retry-After)
       phase coordination 503 coordination_unavailable, coordination_lost  (+ Retry-After:
                              the lease; shared lanes' server unreachable, lease lost)
@@ -97,7 +99,12 @@ REASONS: Final[dict[str, Reason]] = {
     "coordination_unavailable": Reason("coordination", 503, "server_error", True),
     "coordination_lost": Reason("coordination", 503, "server_error", True),
     "internal_error": Reason("internal", 500, "server_error"),
+    # SPEC L14, O7: a client's per-day or per-month limit is spent (Retry-After: the
+    # window's reset, up to a month away); a client names a model outside its list.
+    "client_limit": Reason("capacity", 429, "rate_limit_error", True),
+    "forbidden_model": Reason("request", 403, "invalid_request_error"),
 }
+MAX_WINDOW_RETRY_AFTER_S: Final = 32 * 86_400.0  # client_limit: a month's reset
 
 
 # What to do next (``action``) for the reasons where a person can act (issue 15). The
@@ -112,6 +119,8 @@ DEFAULT_ACTIONS: Final[dict[str, str]] = {
     "provider_queue_timeout": "retry after the time in Retry-After; if requests often wait "
                               "this long, raise queue_timeout_s (or lanes) in "
                               "[providers.{provider}.profile]",
+    "client_limit": "wait for the window's reset (Retry-After), or raise the client's "
+                    "limit in [clients.NAME]",
     "request_too_large": "shorten the conversation or lower max_tokens, or send it to a "
                          "provider with a larger budget (a route's fallback may)",
     "auth_required": "check the provider's API key or login, then retry",
@@ -238,8 +247,10 @@ class RelayError(Exception):
 
     @retry_after_s.setter
     def retry_after_s(self, value: float | None) -> None:
+        most = (MAX_WINDOW_RETRY_AFTER_S if getattr(self, "reason", None) == "client_limit"
+                else MAX_RETRY_AFTER_S)
         self._retry_after_s = (None if value is None or math.isnan(value)
-                               else min(max(0.0, value), MAX_RETRY_AFTER_S))
+                               else min(max(0.0, value), most))
 
     @property
     def phase(self) -> str:

@@ -19,6 +19,8 @@ from typing import Any
 import attrs
 from attrs import validators as v
 
+from .prices import Price
+
 __all__ = ["MAX_UPSTREAM_BYTES", "PROFILE_FIELDS", "REQUIRED_PROFILE_FIELDS", "ModelLimits",
            "Profile", "ProviderConfig", "default_state_dir", "is_loopback_host", "not_negative",
            "positive"]
@@ -114,6 +116,8 @@ class ProviderConfig:
     profile_from_file: frozenset[str] = frozenset()
     # SPEC L12a: each model's own configured budgets, by model name.
     limits: Mapping[str, ModelLimits] = attrs.field(factory=dict)
+    # SPEC O7: ``[providers.NAME.prices."MODEL"]``, over the packaged price table.
+    prices: Mapping[str, Price] = attrs.field(factory=dict)
 
 
 

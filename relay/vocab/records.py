@@ -86,6 +86,10 @@ class Clock:
         self._second = -1   # the last whole second formatted, and its text: a record's
         self._text = ""     # times mostly fall in one (four of them for each request)
 
+    def wall(self, t: float) -> float:
+        """Trio time ``t`` as a ``time.time()``."""
+        return self._anchor + t
+
     def iso(self, t: float | None) -> str | None:
         if t is None:
             return None
@@ -126,6 +130,7 @@ class Record:
     provider: str | None = None
     model: str | None = None
     priority: str = "normal"
+    client: str = "default"  # SPEC L14: the client the token named (never the token)
     stream: bool = False
     status: int = 200
     reason: str | None = None
@@ -150,6 +155,9 @@ class Record:
     tokens_estimated: bool = False
     token_wait_ms: float | None = None
     held_by: str | None = None
+    # SPEC O7: what it cost in US dollars (its usage at its model's price; None: a price
+    # it needs is not known; 0 on a CLI tool's subscription). Set as it is written.
+    cost_usd: float | None = None
 
     def as_json(self, clock: Clock) -> dict[str, Any]:
         out = attrs.asdict(self, recurse=False)
@@ -209,6 +217,9 @@ class RecordWriter:
         # Called with each record as it is written (metrics count requests here: this is
         # the one place every request ends, SPEC A5).
         self.observers: list[Callable[[Record], None]] = []
+        # Called with each record before it is written, to complete it (its cost, SPEC
+        # O7; a client's spend settled, L14): what they set is in the line.
+        self.completers: list[Callable[[Record], None]] = []
 
     @property
     def fault(self) -> str | None:
@@ -229,6 +240,11 @@ class RecordWriter:
     def write(self, record: Record) -> None:
         if record.relay_id is None:
             record.relay_id = self.relay_id
+        for complete in self.completers:
+            try:
+                complete(record)
+            except Exception:  # a bug there must never cost the record
+                logger.exception("completing the record of request %s failed", record.id)
         line = redact_obj(record.as_json(self.clock))  # SPEC E1: records are an exit
         self.recent.append(line)
         if len(self.recent) > 200:

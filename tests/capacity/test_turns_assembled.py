@@ -1,14 +1,6 @@
 """Turns between clients (SPEC L14) through the assembled relay (config → relay → HTTP
 through its ASGI app → a fake upstream on loopback), on virtual time (see test_tokens.py's
-clock): issue 35's experiment.
-
-TEST-ONLY HOOK: this branch has no way yet to name a client over HTTP — client tokens
-(``[clients.NAME]``, SPEC L14) come with the `clients` change, which sets
-``Dispatcher.client`` and ``client_weight`` from the token a request brings. Until then
-`_clients_by_first_word` stands in for that: it sets the two attributes of each request's
-dispatcher from the first word of its first message ("agent …", "person …"). Everything
-else — the front, the dispatcher, metering's slot, the lane — is relay's own code.
-"""
+clock): issue 35's experiment. Each client is a `[clients.NAME]` with its own token."""
 
 from __future__ import annotations
 
@@ -18,8 +10,6 @@ import trio.testing
 from fakes.fake_metered import Limits, Metered, serve_metered
 from helpers.metered import ask, config, lane_of, ok, relay_for, send
 
-from relay.engine import dispatch
-
 MODEL = "p/m-out150"  # 0.2 s to the first token, 150 tokens at 500 a second: 0.5 s
 
 
@@ -28,33 +18,36 @@ def clock() -> trio.testing.MockClock:
     return trio.testing.MockClock(autojump_threshold=0.02)
 
 
-@pytest.fixture
-def _clients_by_first_word(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The test-only hook (see the module docstring)."""
-    weights = {"agent": 1.0, "person": 1.0, "batch": 2.0}
-    made = dispatch.Dispatcher.__init__
+WEIGHTS = {"agent": 1, "person": 1, "batch": 2}
 
-    def init(self: dispatch.Dispatcher, *args: object, **kw: object) -> None:
-        made(self, *args, **kw)  # type: ignore[arg-type]
-        first = str(self.base_call.messages[0].get("content", "")).split(" ", 1)[0]
-        if first in weights:
-            self.client, self.client_weight = first, weights[first]
 
-    monkeypatch.setattr(dispatch.Dispatcher, "__init__", init)
+@pytest.fixture(autouse=True)
+def _tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    for who in WEIGHTS:
+        monkeypatch.setenv(f"RELAY_TEST_{who.upper()}_TOKEN", f"tok-{who}")
+
+
+def with_clients(text: str) -> str:
+    return text + "".join(f"""
+[clients.{who}]
+token_env = "RELAY_TEST_{who.upper()}_TOKEN"
+weight = {weight}
+""" for who, weight in WEIGHTS.items())
 
 
 async def test_a_persons_request_starts_within_one_answer_of_an_agents_burst(
         nursery: trio.Nursery, clock: trio.testing.MockClock, tmp_path: object,
-        _clients_by_first_word: None) -> None:
+        ) -> None:
     fake: Metered = await nursery.start(serve_metered, Limits())
-    text = config(fake.base_url).replace("lanes = 8", "lanes = 2")
+    text = with_clients(config(fake.base_url).replace("lanes = 8", "lanes = 2"))
     async with relay_for(tmp_path, text) as r:  # type: ignore[arg-type]
         t0 = trio.current_time()
-        agent = [send(nursery, r, ask(f"agent task {i}", model=MODEL, max_tokens=150))
-                 for i in range(60)]
+        agent = [send(nursery, r, ask(f"agent task {i}", model=MODEL, max_tokens=150),
+                      token="tok-agent") for i in range(60)]
         await trio.sleep(0.5)
         asked = trio.current_time()
-        person = send(nursery, r, ask("person hello", model=MODEL, max_tokens=150))
+        person = send(nursery, r, ask("person hello", model=MODEL, max_tokens=150),
+                      token="tok-person")
         await person.done.wait()
         answered = trio.current_time()
         assert ok(person), person.text()
@@ -71,17 +64,18 @@ async def test_a_persons_request_starts_within_one_answer_of_an_agents_burst(
 
 async def test_three_clients_take_turns_weighted(
         nursery: trio.Nursery, clock: trio.testing.MockClock, tmp_path: object,
-        _clients_by_first_word: None) -> None:
+        ) -> None:
     # One lane: "agent" and "batch" (weight 2) send 12 each at once, "person" 2: while all
     # wait, batch starts twice for each of agent's, and the person's 2 come within the
     # first rounds.
     fake: Metered = await nursery.start(serve_metered, Limits())
-    text = config(fake.base_url).replace("lanes = 8", "lanes = 1")
+    text = with_clients(config(fake.base_url).replace("lanes = 8", "lanes = 1"))
     async with relay_for(tmp_path, text) as r:  # type: ignore[arg-type]
         done: list[str] = []
 
         async def one(who: str, i: int) -> None:
-            res = send(nursery, r, ask(f"{who} {i}", model=MODEL, max_tokens=150))
+            res = send(nursery, r, ask(f"{who} {i}", model=MODEL, max_tokens=150),
+                       token=f"tok-{who}")
             await res.done.wait()
             assert ok(res), res.text()
             done.append(who)

@@ -49,6 +49,8 @@ ACTION_FITS: dict[str, Callable[[str], bool]] = {
         "start", "base_url", "network", "proxy", "retry", "install")),
     # SPEC L12: it could never start there: make it smaller, or send it where it fits.
     "request_too_large": lambda a: "max_tokens" in a and "fallback" in a,
+    # SPEC L14: a client's day or month is spent: wait for its reset, or raise the limit.
+    "client_limit": lambda a: "reset" in a and "[clients." in a,
 }
 
 

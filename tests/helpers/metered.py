@@ -45,9 +45,13 @@ def relay_for(tmp_path: Path, text: str) -> AbstractAsyncContextManager[Relay]:
 
 
 def send(nursery: trio.Nursery, r: Relay, body: dict[str, Any],
-         path: str = "/v1/chat/completions") -> ASGIResult:
+         path: str = "/v1/chat/completions", *, token: str | None = None) -> ASGIResult:
+    """``body`` to ``path`` of relay's ASGI app, in the background (``token``: a client's,
+    as ``Authorization: Bearer``)."""
     result = ASGIResult()
-    nursery.start_soon(functools.partial(asgi_request, r.app, path, body, result))
+    headers = {"authorization": f"Bearer {token}"} if token else None
+    nursery.start_soon(functools.partial(asgi_request, r.app, path, body, result,
+                                         headers=headers))
     return result
 
 

@@ -122,7 +122,8 @@ class OllamaEmbed(Embed):
         try:
             result: Embeddings = await run_whole(
                 self.plan, exchange.record, stop, self.priority,
-                lambda adapter: adapter.embed(call))
+                lambda adapter: adapter.embed(call),
+                gate=exchange.relay.clients.gate(exchange.client))
             # (checked as /v1/embeddings checks them: every number finite)
             checked = render_embeddings(result.vectors, model=target.name,
                                         encoding_format="float",

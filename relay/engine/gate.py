@@ -1,0 +1,167 @@
+"""A client's gate (SPEC L14): its per-minute limits (``rpm``, ``tpm``) and ``lanes``,
+passed by each of its attempts, in order, before the provider's lane.
+
+An attempt waits at the gate like any waiter — in order of arrival, cancellable, up to
+its provider's ``queue_timeout_s``, its waiting notices naming the limit — then holds
+one of the client's lanes until it leaves its provider's lane. ``lanes`` counts the
+client's attempts running at once, across providers; ``rpm`` its starts in any 60 s
+(the providers' own pacer, `relay.capacity.pacer`); ``tpm`` its tokens in any 60 s:
+each attempt's estimate (input and output reservation) as it starts, settled to what it
+used as it leaves. The gate is per relay (relays sharing providers, SPEC L11, count
+their clients each on its own).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import trio
+
+from relay.capacity.estimate import estimate_input, output_reservation
+from relay.capacity.pacer import Pacer
+from relay.config import ClientConfig
+from relay.vocab.errors import RelayError
+from relay.vocab.events import Call, LaneStatistics, Usage
+from relay.vocab.records import Record
+
+__all__ = ["Gate"]
+
+
+class Gate:
+    """One client's per-minute limits and lanes (SPEC L14): its attempts pass here, in
+    order, before they enter their provider's lane."""
+
+    def __init__(self, name: str, settings: Callable[[str], ClientConfig]) -> None:
+        self.name = name
+        self._settings = settings
+        self.running = 0
+        self._pacer = Pacer()
+        self._tokens: collections.deque[list[float]] = collections.deque()  # [at, tokens]
+        self._waiting: list[object] = []   # in arrival order; only the first may pass
+        self._changed = trio.Event()
+        self.waiting_for: str | None = None  # what the first waiter waits for, in words
+
+    def statistics(self) -> LaneStatistics:
+        """The gate's numbers for a waiting notice."""
+        config = self._settings(self.name)
+        return LaneStatistics(running=self.running, capacity=config.lanes or self.running,
+                              queued=len(self._waiting), queue_max=0,
+                              waiting_for=self.waiting_for)
+
+    def _poke(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _tokens_in_minute(self, now: float) -> float:
+        while self._tokens and self._tokens[0][0] <= now - 60.0:
+            self._tokens.popleft()
+        return sum(t for _, t in self._tokens)
+
+    def _blocked(self, config: ClientConfig, tokens: int, now: float
+                 ) -> tuple[str | None, float]:
+        """What holds the next start back, in words, and until when (inf: a release)."""
+        where = f"client {self.name!r}"
+        if config.lanes and self.running >= config.lanes:
+            return (f"{where}'s lanes limit: {self.running} of its {config.lanes} running "
+                    f"([clients.{self.name}] lanes)", math.inf)
+        if config.rpm:
+            at = self._pacer.next_start(config.rpm)
+            if at > now:
+                return (f"{where}'s rpm limit of {config.rpm:g} requests a minute "
+                        f"([clients.{self.name}] rpm)", at)
+        if config.tpm:
+            used = self._tokens_in_minute(now)
+            if used and used + tokens > config.tpm:
+                return (f"{where}'s tpm limit: {used:.0f} of its {config.tpm:g} tokens a "
+                        f"minute used ([clients.{self.name}] tpm)", self._tokens[0][0] + 60.0)
+        return None, now
+
+    @asynccontextmanager
+    async def enter_call(self, call: Call, queue_timeout_s: float,
+                         on_wait: Callable[[], None], record: Record,
+                         usage: Callable[[], Usage | None]) -> AsyncIterator[None]:
+        """`enter` for a chat attempt: its tokens estimated (input and output
+        reservation) and settled to its ``usage`` as it leaves; its wait at the gate is
+        queue time in its ``record``."""
+        began = trio.current_time()
+        tokens = estimate_input(call) + output_reservation(call, None)
+        async with self.enter(tokens, began + queue_timeout_s, on_wait) as passed:
+            waited = trio.current_time() - began
+            if waited > 0:
+                record.queue_ms = round((record.queue_ms or 0.0) + waited * 1000, 3)
+            try:
+                yield
+            finally:
+                used = usage()
+                if used is not None and used.total_tokens is not None:
+                    passed.used(used.total_tokens)
+
+    @asynccontextmanager
+    async def enter(self, tokens: int, deadline: float,
+                    on_wait: Callable[[], None]) -> AsyncIterator[_Pass]:
+        """Pass the gate (waiting, in order, while a limit holds the client back), then
+        hold one of its lanes until the block ends. ``on_wait`` is called once, when it
+        first has to wait.
+
+        Raises:
+            RelayError: ``provider_queue_timeout`` at ``deadline``, naming the limit.
+        """
+        config = self._settings(self.name)
+        if not config.minute_limited:
+            yield _Pass(None)
+            return
+        me = object()
+        self._waiting.append(me)
+        told = False
+        try:
+            while True:
+                now = trio.current_time()
+                config = self._settings(self.name)
+                why, until = (self._blocked(config, tokens, now) if self._waiting[0] is me
+                              else ("earlier requests of the same client", math.inf))
+                if why is None:
+                    break
+                if self._waiting[0] is me:
+                    self.waiting_for = why
+                if not told:
+                    told = True
+                    on_wait()
+                if now >= deadline:
+                    raise RelayError(
+                        "provider_queue_timeout", f"the request waited until its queue "
+                        f"timeout for {why}", retry_after_s=max(1.0, min(until, now + 60)
+                                                               - now),
+                        action=f"send fewer requests at once, or raise the limit in "
+                               f"[clients.{self.name}]")
+                with trio.move_on_at(min(until, deadline)):
+                    await self._changed.wait()
+        finally:
+            self._waiting.remove(me)
+            if not self._waiting:
+                self.waiting_for = None
+            self._poke()
+        now = trio.current_time()
+        self.running += 1
+        self._pacer.add(now)
+        entry = [now, float(tokens)]
+        self._tokens.append(entry)
+        try:
+            yield _Pass(entry)
+        finally:
+            self.running -= 1
+            self._poke()
+
+
+class _Pass:
+    """An attempt through its client's gate: what it used is settled here."""
+
+    def __init__(self, entry: list[float] | None) -> None:
+        self._entry = entry
+
+    def used(self, tokens: int) -> None:
+        """The attempt used ``tokens`` (its reported usage), not its estimate."""
+        if self._entry is not None:
+            self._entry[1] = float(tokens)
