@@ -194,18 +194,19 @@ async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
             waited, held_by = waited + more, held_by or model_held
         ticket.reservation = Reservation(need, trio.current_time(), kinds=kinds)
         ticket.token_wait_s, ticket.held_by = waited, held_by
-        run_.sink.on_limits = functools.partial(_shared_limits_seen, lane, run_.record,
-                                                run_.target.provider,
+        run_.sink.on_limits = functools.partial(_shared_limits_seen, lane,
+                                                ticket.reservation, run_.target.provider,
                                                 lane.tokens.member_here(), need.scope)
         yield ticket
 
 
-def _shared_limits_seen(lane: SharedLane, attempt: Attempt, provider: Provider,
+def _shared_limits_seen(lane: SharedLane, own: Reservation, provider: Provider,
                         member: str, scope: str, limits: RateLimits) -> None:
     """Move the shared budgets to an answer's headers (in the background): they are
-    the answering model's (SPEC L12a; the provider's when it has no name)."""
+    the answering model's (SPEC L12a; the provider's when it has no name), read against
+    the grant of the answering request (its upstream start)."""
     said_unusable(provider, limits)
-    began = trio.current_time() - attempt.started
+    began = trio.current_time() - own.at
     budget = lane.model_tokens(scope, create=bool(limits.windows)) or lane.tokens
     budget.seen_soon(limits, began_s_ago=began, member=member)
 
@@ -244,7 +245,7 @@ def _limits_seen(lane: Lane, attempt: Attempt, provider: Provider, scope: str,
     began: it has lifted), read against the moment it started upstream (SPEC L12a)."""
     said_unusable(provider, limits)
     lane.observe(limits, scope=scope,
-                 started_at=own.at if own is not None else attempt.started, ok=True,
+                 started_at=own.at if own is not None else None, ok=True,
                  own=own)
 
 
@@ -310,7 +311,8 @@ async def _run_shared(adapter: Adapter, lane: SharedLane, ticket: Ticket, run_: 
         error = exc
         bound_error(exc, run_.target.provider, lane.profile.max_hold_s)
         now = trio.current_time()
-        began = now - (ticket.started_at if ticket.started_at is not None else now)
+        grant = ticket.reservation  # (its upstream start: the answering grant, L12a)
+        began = now - (grant.at if grant is not None else now)
         for budget, limits in _shared_seen(lane, scope_of(run_.call.model), exc.limits):
             await _shielded(functools.partial(budget.seen, limits, reason=exc.reason,
                                               began_s_ago=began,
