@@ -300,9 +300,9 @@ OTHER = "other-out100"
 
 
 def _relay_jobs(seconds: float) -> list[Job]:
-    """classic's mix (1 in 6 of ~6,000 tokens, answer 400; the rest ~200, answer 150) at
-    the whole input limit for ``seconds``; one model, answers cut by max_tokens."""
-    rate = CLASSIC.itpm / 60.0
+    """classic's steady mix (1 in 6 of ~6,000 tokens, answer 400; the rest ~200, answer
+    150) at twice the input limit for ``seconds``; one model, answers cut by max_tokens."""
+    rate = 2 * CLASSIC.itpm / 60.0
     jobs, at, i = [], 0.0, 0
     while at < seconds:
         large = i % 6 == 0
@@ -374,7 +374,7 @@ async def second_client(tmp: Path, steady_s: float, rows: list[Row]) -> None:
     async with trio.open_nursery() as nursery:
         for name, profile in clients:
             nursery.start_soon(one, name, profile)
-    print(f"second-client: classic's limits; relay's traffic at the whole input limit for "
+    print(f"second-client: classic's limits; relay's traffic at twice the input limit for "
           f"{steady_s:g} s (classic's mix); another client sends ~{other_prompt:,}-token "
           f"requests straight to the provider every {period:.1f} s (30 % of the input "
           "limit) on the same key, never retried; its 429s are counted apart (upstream "

@@ -48,12 +48,12 @@ the moment the buckets allow (`bench.token_kit.ideal`); p50/p99 latency.
   provider counts at 1.5 and at 0.5 characters a token (relay's estimate, before it
   learns: a character a token), one model, answers cut by ``max_tokens``. Clients:
   relay configured, relay headers only (three small Korean requests first), direct.
-- **second-client**: classic's limits; relay's traffic (classic's mix, one model) at the
-  whole input limit for ``--steady-s`` seconds, while another client sends ~1,000-token
-  requests straight to the provider on the same key, 30 % of the input limit, never
-  retried. Upstream 429s: relay's requests'; the other client's in the row's note.
-  Clients: relay headers only, relay with the account's figures configured, relay with
-  70 % of them configured (room left for the other tool).
+- **second-client**: classic's limits; relay's traffic (classic's steady mix, one model)
+  at twice the input limit for ``--steady-s`` seconds, while another client sends
+  ~1,000-token requests straight to the provider on the same key, 30 % of the input
+  limit, never retried. Upstream 429s: relay's requests'; the other client's in the
+  row's note. Clients: relay headers only, relay with the account's figures configured,
+  relay with 70 % of them configured (room left for the other tool).
 
 Every new scenario's relay profile has ``first_starts = 2``, as relay's cloud profiles
 (openai, anthropic, gemini) have. A JSON list of the rows goes to stderr.
@@ -109,10 +109,16 @@ def one(i: int, seed: int) -> tuple[str, int]:
     return long_prose(6000 if large else 200, seed + i), 400 if large else 150
 
 
+ONE_MODEL = False  # --one-model: every request to m-out400, answers cut by max_tokens
+
+
 def job(at: float, content: str, out: int, stream: bool) -> Job:
     messages = [{"role": "user", "content": content}]
-    return Job(at, {"model": f"p/m-out{out}", "stream": stream, "messages": messages},
-               prompt_tokens(messages), out)
+    body: dict[str, object] = {"model": f"p/m-out{out}", "stream": stream,
+                               "messages": messages}
+    if ONE_MODEL:
+        body.update(model="p/m-out400", max_tokens=out)
+    return Job(at, body, prompt_tokens(messages), out)
 
 
 def burst() -> list[Job]:
@@ -134,8 +140,10 @@ async def warm_up(urls: list[str]) -> None:
     """Three small requests (dealt round-robin): relay sees the provider's headers."""
     async with httpx.AsyncClient(trust_env=False, timeout=60.0) as client:
         for i, url in zip(range(3), itertools.cycle(urls), strict=False):
-            r = await client.post(url + CHAT, json={"model": "p/m-out20", "messages": [
-                {"role": "user", "content": f"hello {i}"}]})
+            model = "p/m-out400" if ONE_MODEL else "p/m-out20"
+            r = await client.post(url + CHAT, json={"model": model, "max_tokens": 20,
+                                                    "messages": [{"role": "user",
+                                                                  "content": f"hello {i}"}]})
             r.raise_for_status()
 
 
@@ -278,6 +286,10 @@ if __name__ == "__main__":
     parser.add_argument("--only", metavar="NAME[,NAME]",
                         help="classic: run only the clients whose name contains one of "
                         "these (case ignored), e.g. 'shared' or 'direct,headers only'")
+    parser.add_argument("--one-model", action="store_true",
+                        help="classic: every request names one model (m-out400), the "
+                        "answers cut by max_tokens, instead of two models the provider "
+                        "meters together")
     parser.add_argument("--keep", metavar="DIR",
                         help="keep the relays' records (<client>.jsonl) in DIR")
     args = parser.parse_args()
@@ -287,6 +299,7 @@ if __name__ == "__main__":
     if unknown:
         parser.error(f"--scenario: no {', '.join(unknown)}; the scenarios: "
                      + ", ".join(SCENARIOS) + ", all")
+    ONE_MODEL = args.one_model
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)
     trio.run(main, picked, args.steady_s, args.only, args.keep)
