@@ -16,6 +16,7 @@ import itertools
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,7 @@ def _take(buckets: dict[str, Bucket], t: float, **amounts: float) -> None:
 
 
 def ideal(jobs: list[Job], limits: Limits, models: dict[str, Limits] | None = None,
-          background: list[Background] = (),  # type: ignore[assignment]
+          background: Sequence[Background] = (),
           step: float = 0.01) -> list[tuple[float, float]]:
     """Each job's (start, end) under the ideal pacer (see the module docstring): the
     models with their own limits are simulated apart (they share no bucket)."""

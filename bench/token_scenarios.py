@@ -106,7 +106,7 @@ def _conversation() -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def _count(body: dict[str, Any]) -> int:
-    return prompt_tokens(body["messages"], body.get("system"))
+    return int(prompt_tokens(body["messages"], body.get("system")))
 
 
 async def cache(tmp: Path, steady_s: float, rows: list[Row]) -> None:
@@ -357,7 +357,7 @@ async def second_client(tmp: Path, steady_s: float, rows: list[Row]) -> None:
             if "headers" in name:
                 await _warm_up(base, "p/m-out400")
             jobs = made
-            stop, theirs = trio.Event(), []
+            stop, theirs = trio.Event(), list[Outcome]()
             before = len(fake.rejected)
             nursery.start_soon(other, fake.base_url, stop, theirs)
             outcomes = await workload([base], jobs)

@@ -3,6 +3,7 @@
     python -m bench.tokens                          # every scenario, one after the other
     python -m bench.tokens --scenario cache         # one (or several: cache,models)
     python -m bench.tokens --scenario classic --steady-s 30 --only shared
+    python -m bench.tokens --scenario classic --one-model  # one model name, not two
     python -m bench.tokens --keep DIR               # the relays' records kept in DIR
 
 Every scenario runs on real time against the fake provider of tests/fakes/fake_metered.py
@@ -27,7 +28,9 @@ the moment the buckets allow (`bench.token_kit.ideal`); p50/p99 latency.
   row again as three relays sharing the provider through one ``redis-server`` (SPEC L11;
   skipped, said so, without ``redis-server``; their requests dealt round-robin, after the
   coordination server's first lease). The two answer lengths are two model names
-  (``m-out400``, ``m-out150``) that the provider meters together, as before.
+  (``m-out400``, ``m-out150``) that the provider meters together, as before (relay
+  keeps a budget per model: see docs/tokens.md); ``--one-model`` sends every request
+  to ``m-out400`` with its answer cut by ``max_tokens`` (and the warm-up to it too).
 - **cache**: a Claude-Code-like conversation through relay's Messages front
   (``/v1/messages``, adapter ``anthropic``): a 30,000-token system prompt and the history
   marked with ``cache_control`` (the system prompt and the last message), 20 turns one
