@@ -1,47 +1,65 @@
-"""Token budgets (SPEC L12): staying inside a provider's published limits, measured.
+"""Token budgets (SPEC L12, L12a): staying inside a provider's published limits, measured.
 
-    python -m bench.tokens                   # the full run (burst, then 90 s steady)
-    python -m bench.tokens --steady-s 30     # a shorter steady phase
-    python -m bench.tokens --only shared     # only the clients whose name has "shared"
-    python -m bench.tokens --keep DIR        # the relays' records kept in DIR
+    python -m bench.tokens                          # every scenario, one after the other
+    python -m bench.tokens --scenario cache         # one (or several: cache,models)
+    python -m bench.tokens --scenario classic --steady-s 30 --only shared
+    python -m bench.tokens --scenario classic --one-model  # one model name, not two
+    python -m bench.tokens --keep DIR               # the relays' records kept in DIR
 
-A fake provider (tests/fakes/fake_metered.py) publishes 100 requests, 40,000 input and 16,000
-output tokens a minute (continuous buckets) on real time. Two workloads, each against six
-clients, all in one run:
+Every scenario runs on real time against the fake provider of tests/fakes/fake_metered.py
+(continuous buckets per minute, rate-limit headers, realistic 429s), answers at 100
+tokens a second after 0.3 s, relays with 32 lanes, clients that never retry; each client
+has its own provider (fresh buckets) and they run side by side. Each row: the 429s the
+provider sent that client's requests; the requests that did not end in a whole answer
+(their reasons); the false ``request_too_large`` (refused by relay though the provider
+would have taken them); the makespan (first request sent to last answer read) against
+an **ideal pacer**'s — a simulation of the provider's own buckets that knows the truth
+(each request's size as the provider counts it, its uncached part, each model's own
+limits, what another client takes) and starts each request, in order within its model,
+the moment the buckets allow (`bench.token_kit.ideal`); p50/p99 latency.
 
-- **burst**: 60 requests at once — 10 of about 6,000 tokens, 50 of about 200; 30 %
-  streamed; answers of 400 and 150 tokens;
-- **steady**: ``--steady-s`` seconds (90 by default) of arrivals at twice the input limit
-  (the same mix, evenly spaced), then until every request has ended;
+- **classic** (issue 26's workload; `--only NAME[,NAME]` picks its clients): 100
+  requests, 40,000 input and 16,000 output tokens a minute. *burst*: 60 requests at once
+  (10 of ~6,000 tokens answered in 400, 50 of ~200 answered in 150; 30 % streamed);
+  *steady*: ``--steady-s`` seconds of the same mix at twice the input limit. Clients:
+  relay with the budgets configured (``rpm = 100``, ``itpm = 40000``, ``otpm = 16000``);
+  relay with headers only (three small requests first); relay with neither (the
+  provider sends no rate-limit header, relay has ``rpm = 100``); direct; and each relay
+  row again as three relays sharing the provider through one ``redis-server`` (SPEC L11;
+  skipped, said so, without ``redis-server``; their requests dealt round-robin, after the
+  coordination server's first lease). The two answer lengths are two model names
+  (``m-out400``, ``m-out150``) that the provider meters together, as before (relay
+  keeps a budget per model: see docs/tokens.md); ``--one-model`` sends every request
+  to ``m-out400`` with its answer cut by ``max_tokens`` (and the warm-up to it too).
+- **cache**: a Claude-Code-like conversation through relay's Messages front
+  (``/v1/messages``, adapter ``anthropic``): a 30,000-token system prompt and the history
+  marked with ``cache_control`` (the system prompt and the last message), 20 turns one
+  after the other, each ~2,000 tokens more (prompts from ~40,000 to ~78,000 tokens,
+  95-97 % read from the provider's cache), 200-token streamed answers, ``max_tokens``
+  4096; the provider: 50 requests, 30,000 input and 8,000 output tokens a minute, its
+  prompt cache on (``cache_s = 300``), warmed by a direct request (the agent's earlier
+  session; then the buckets are refilled, the cache kept). Clients: relay headers only,
+  relay with the budgets configured, direct. The ideal pacer knows the cache: each turn
+  starts when its uncached part fits.
+- **models**: one provider entry, two models metered apart, ``small`` 6,000 and ``big``
+  600,000 tokens a minute (headers on, nothing configured); ``--steady-s`` seconds of
+  arrivals, small at twice its limit (~1,400-token prompts), big at half of its (~6,000),
+  100-token answers. Clients: relay with both models' traffic mixed, relay with each
+  model's alone, direct (mixed); a row per model: "neither slowed by the other" is the
+  mixed row against the alone row and the ideal pacer.
+- **korean 1.5** / **korean 0.5**: classic's burst and steady mixes in Hangul, which the
+  provider counts at 1.5 and at 0.5 characters a token (relay's estimate, before it
+  learns: a character a token), one model, answers cut by ``max_tokens``. Clients:
+  relay configured, relay headers only (three small Korean requests first), direct.
+- **second-client**: classic's limits; relay's traffic (classic's steady mix, one model)
+  at twice the input limit for ``--steady-s`` seconds, while another client sends
+  ~1,000-token requests straight to the provider on the same key, 30 % of the input
+  limit, never retried. Upstream 429s: relay's requests'; the other client's in the
+  row's note. Clients: relay headers only, relay with the account's figures configured,
+  relay with 70 % of them configured (room left for the other tool).
 
-and the clients:
-
-- **relay, budgets configured**: ``rpm = 100``, ``itpm = 40000``, ``otpm = 16000``;
-- **relay, headers only**: nothing configured; three small requests first show relay the
-  provider's rate-limit headers;
-- **relay, neither**: the provider sends no rate-limit header at all (its 429s still say
-  "try again in …" in their body), relay has only ``rpm = 100``;
-- **direct**: the client talks to the provider itself;
-- **3 relays shared, budgets configured**, **3 relays shared, headers only** and **3
-  relays shared, neither**: three ``relay.serve`` in this process, each with its own
-  config naming the same provider with ``shared = true`` (SPEC L11) and the same
-  figures (and provider) as the three rows above, coordinated
-  through one ``redis-server`` the bench starts on a free loopback port (and stops at the
-  end; without ``redis-server`` on the PATH these rows are skipped, said so); the
-  workload's requests are dealt round-robin to the three relays' URLs (so every
-  6,000-token request of the burst goes to the first relay: the others see only small
-  ones; the headers-only warm-up: one small request through each relay). A coordination
-  server grants no slot within one lease of its own start (SPEC L11), so these wait out
-  the first ``LEASE_S`` seconds of the fresh server before their first request.
-
-``--only NAME[,NAME]`` runs the clients whose name contains one of the NAMEs (case
-ignored); every client by default. Every relay has 32 lanes (a shared provider's are
-counted across its three relays). The clients never retry. For each, it prints:
-upstream 429s, client-visible failures, achieved input tokens a minute as a share of the
-limit, the makespan against the theoretical minimum (total input / limit) and against a
-perfect pacer's (one that knows every request's exact size and starts each, in order,
-the moment the provider's buckets allow: a simulation of the same buckets), and p50/p99
-latency. Each client has its own provider (fresh buckets); they run side by side.
+Every new scenario's relay profile has ``first_starts = 2``, as relay's cloud profiles
+(openai, anthropic, gemini) have. A JSON list of the rows goes to stderr.
 """
 
 from __future__ import annotations
@@ -51,78 +69,63 @@ import functools
 import itertools
 import json
 import logging
-import statistics
+import os
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import attrs
 import httpx
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+from bench import token_scenarios
+from bench.token_kit import (
+    CHAT,
+    FIRST_TOKEN_S,
+    TOKENS_PER_S,
+    Job,
+    Row,
+    ideal,
+    long_prose,
+    print_rows,
+    row,
+    start_relay,
+    workload,
+)
 
-from fakes.fake_metered import Bucket, Limits, Metered, prompt_tokens, prose, serve_metered  # noqa: E402
-from helpers.redis_server import REDIS, RedisServer  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-import relay  # noqa: E402
+from fakes.fake_metered import Limits, Metered, prompt_tokens, serve_metered
+from helpers.redis_server import REDIS, RedisServer
 
 LIMITS = Limits(rpm=100, itpm=40_000, otpm=16_000)
 LANES = 32
 LEASE_S = 10.0  # the shared relays' coordination_lease_s (relay's default)
-FIRST_TOKEN_S = 0.3
-TOKENS_PER_S = 100.0
-
-CONFIG = """
-[server]
-records = "{records}"
-{server}
-[providers.p]
-adapter = "openai"
-base_url = "{url}/v1"
-{shared}
-[providers.p.profile]
-lanes = {lanes}
-queue_max = 1000
-queue_timeout_s = 900
-run_timeout_s = 900
-{profile}
-"""
-
-
-@attrs.frozen
-class Job:
-    at: float        # seconds after the workload's start
-    content: str
-    out: int
-    stream: bool
-
-    @property
-    def body(self) -> dict[str, Any]:
-        return {"model": f"p/m-out{self.out}", "stream": self.stream,
-                "messages": [{"role": "user", "content": self.content}]}
-
-
-@attrs.define
-class Outcome:
-    sent: float
-    ended: float = 0.0
-    ok: bool = False
-    status: int = 0
 
 
 def one(i: int, seed: int) -> tuple[str, int]:
     """The i-th request of the mix: 1 in 6 of ~6,000 tokens (answer 400), the rest ~200
     (answer 150) — in 60 of them, 10 large and 50 small, as the issue's burst."""
     large = i % 6 == 0
-    return prose(6000 if large else 200, seed + i), 400 if large else 150
+    return long_prose(6000 if large else 200, seed + i), 400 if large else 150
+
+
+ONE_MODEL = False  # --one-model: every request to m-out400, answers cut by max_tokens
+
+
+def job(at: float, content: str, out: int, stream: bool) -> Job:
+    messages = [{"role": "user", "content": content}]
+    body: dict[str, object] = {"model": f"p/m-out{out}", "stream": stream,
+                               "messages": messages}
+    if ONE_MODEL:
+        body.update(model="p/m-out400", max_tokens=out)
+    return Job(at, body, prompt_tokens(messages), out)
 
 
 def burst() -> list[Job]:
-    return [Job(0.0, *one(i, 0), stream=i % 10 < 3) for i in range(60)]
+    return [job(0.0, *one(i, 0), stream=i % 10 < 3) for i in range(60)]
 
 
 def steady(seconds: float) -> list[Job]:
@@ -130,109 +133,21 @@ def steady(seconds: float) -> list[Job]:
     rate = 2 * LIMITS.itpm / 60.0  # input tokens a second
     jobs, at, i = [], 0.0, 0
     while at < seconds:
-        text, answer = one(i, 1000)
-        jobs.append(Job(at, text, answer, i % 10 < 3))
-        at += prompt_tokens([{"role": "user", "content": text}]) / rate
+        jobs.append(job(at, *one(i, 1000), stream=i % 10 < 3))
+        at += jobs[-1].prompt / rate
         i += 1
     return jobs
-
-
-def perfect_pacer(jobs: list[Job]) -> float:
-    """The makespan of a pacer that knows every request's exact size and starts each, in
-    order, the moment the provider's buckets allow (the same buckets, simulated)."""
-    buckets = {k: Bucket(v) for k, v in attrs.asdict(LIMITS).items() if v}
-    for b in buckets.values():
-        b.now(0.0)
-    t, end, pending = 0.0, 0.0, []  # pending: (done_at, out)
-    step = 0.01
-    for job in jobs:
-        prompt = prompt_tokens([{"role": "user", "content": job.content}])
-        t = max(t, job.at)
-        while True:
-            for done in [p for p in pending if p[0] <= t]:
-                pending.remove(done)
-                buckets["otpm"].now(done[0])
-                buckets["otpm"].level -= done[1]
-            if (buckets["rpm"].now(t) >= 1 and buckets["itpm"].now(t) >= prompt
-                    and buckets["otpm"].now(t) > 0):
-                break
-            t += step
-        buckets["rpm"].level -= 1
-        buckets["itpm"].level -= prompt
-        done_at = t + FIRST_TOKEN_S + job.out / TOKENS_PER_S
-        pending.append((done_at, job.out))
-        end = max(end, done_at)
-    return end
-
-
-async def run_one(client: httpx.AsyncClient, url: str, job: Job, start: float,
-                  outcome: Outcome) -> None:
-    await trio.sleep_until(start + job.at)
-    outcome.sent = trio.current_time()
-    try:
-        if job.stream:
-            async with client.stream("POST", url, json=job.body) as r:
-                outcome.status = r.status_code
-                text = "".join([piece async for piece in r.aiter_text()])
-                outcome.ok = (r.status_code == 200 and "data: [DONE]" in text
-                              and '"error"' not in text)
-        else:
-            r = await client.post(url, json=job.body)
-            outcome.status = r.status_code
-            outcome.ok = r.status_code == 200 and "choices" in r.json()
-    except httpx.HTTPError:
-        outcome.ok = False
-    outcome.ended = trio.current_time()
-
-
-async def workload(urls: list[str], jobs: list[Job]) -> list[Outcome]:
-    """Every job, each at its time, dealt round-robin to ``urls``."""
-    limits = httpx.Limits(max_connections=500, max_keepalive_connections=500)
-    async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(900.0),
-                                 limits=limits) as client:
-        outcomes = [Outcome(0.0) for _ in jobs]
-        start = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            for job, outcome, url in zip(jobs, outcomes, itertools.cycle(urls)):
-                nursery.start_soon(run_one, client, url, job, start, outcome)
-    return outcomes
 
 
 async def warm_up(urls: list[str]) -> None:
     """Three small requests (dealt round-robin): relay sees the provider's headers."""
     async with httpx.AsyncClient(trust_env=False, timeout=60.0) as client:
-        for i, url in zip(range(3), itertools.cycle(urls)):
-            r = await client.post(url, json={"model": "p/m-out20", "messages": [
-                {"role": "user", "content": f"hello {i}"}]})
+        for i, url in zip(range(3), itertools.cycle(urls), strict=False):
+            model = "p/m-out400" if ONE_MODEL else "p/m-out20"
+            r = await client.post(url + CHAT, json={"model": model, "max_tokens": 20,
+                                                    "messages": [{"role": "user",
+                                                                  "content": f"hello {i}"}]})
             r.raise_for_status()
-
-
-@attrs.define
-class Row:
-    client: str
-    workload: str
-    rejected: int
-    failures: int
-    share: float
-    makespan: float
-    minimum: float
-    pacer: float
-    p50: float
-    p99: float
-
-
-def row(client: str, name: str, jobs: list[Job], fake: Metered, before: tuple[int, int],
-        outcomes: list[Outcome]) -> Row:
-    rejected = len(fake.rejected) - before[0]
-    served = fake.input_served - before[1]
-    start = min(o.sent for o in outcomes)
-    makespan = max(o.ended for o in outcomes) - start
-    total = sum(prompt_tokens([{"role": "user", "content": j.content}]) for j in jobs)
-    latencies = sorted(o.ended - o.sent for o in outcomes)
-    return Row(client, name, rejected, sum(not o.ok for o in outcomes),
-               served / makespan * 60 / LIMITS.itpm, makespan, total / LIMITS.itpm * 60,
-               perfect_pacer(jobs), statistics.median(latencies),
-               latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))])
 
 
 @attrs.frozen
@@ -251,7 +166,7 @@ async def one_client(client: Client, jobs: dict[str, list[Job]], rows: list[Row]
             serve_metered, LIMITS, send_headers=client.headers))
         fake.tokens_per_s, fake.first_token_s = TOKENS_PER_S, FIRST_TOKEN_S
         if client.profile is None:  # (the provider ignores the "p/" of the model's name)
-            urls = [f"{fake.base_url}/v1/chat/completions"]
+            urls = [fake.base_url]
         else:
             urls = []
             for n in range(client.relays):
@@ -263,12 +178,9 @@ async def one_client(client: Client, jobs: dict[str, list[Job]], rows: list[Row]
                               f'coordination_prefix = "{prefix}"\n'
                               f"coordination_lease_s = {LEASE_S}")
                     shared = "shared = true"
-                text = CONFIG.format(records=tmp / f"{name}.{n}.jsonl", url=fake.base_url,
-                                     lanes=LANES, profile=client.profile, server=server,
-                                     shared=shared)
-                config = relay.parse_config(text, source=f"{name}.{n}.toml", base_dir=tmp)
-                served = await nursery.start(functools.partial(relay.serve, config, port=0))
-                urls.append(f"{served.url}/v1/chat/completions")
+                urls.append(await start_relay(nursery, tmp, f"{name}.{n}", fake,
+                                              profile=client.profile, lanes=LANES,
+                                              server=server, shared=shared))
             if client.relays > 1:
                 # A coordination server grants nothing within one lease of its own start
                 # (SPEC L11's quiet period): a start-up cost, not the workload's.
@@ -278,22 +190,11 @@ async def one_client(client: Client, jobs: dict[str, list[Job]], rows: list[Row]
         for n, (workload_name, plan) in enumerate(jobs.items()):
             if n:
                 await trio.sleep(61)  # the buckets fill again before the next workload
-            before = (len(fake.rejected), fake.input_served)
+            before = len(fake.rejected)
             outcomes = await workload(urls, plan)
-            rows.append(row(name, workload_name, plan, fake, before, outcomes))
+            rows.append(row("classic", workload_name, name, plan, outcomes,
+                            len(fake.rejected) - before, ideal(plan, LIMITS), LIMITS))
         nursery.cancel_scope.cancel()
-
-
-def print_table(rows: list[Row]) -> None:
-    print("| workload | client | upstream 429s | client failures | input tokens/min "
-          "(share of limit) | makespan | vs tokens/limit | vs perfect pacer | p50 | p99 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: (r.workload, r.client)):
-        print(f"| {r.workload} | {r.client} | {r.rejected} | {r.failures} | "
-              f"{r.share * LIMITS.itpm:,.0f} ({r.share:.0%}) | {r.makespan:.1f} s | "
-              f"{r.makespan / r.minimum:.2f}x of {r.minimum:.1f} s | "
-              f"{r.makespan / r.pacer:.2f}x of {r.pacer:.1f} s | {r.p50:.1f} s | "
-              f"{r.p99:.1f} s |")
 
 
 CONFIGURED = "rpm = 100\nitpm = 40000\notpm = 16000"
@@ -319,8 +220,7 @@ def chosen(only: str | None) -> list[Client]:
     return picked
 
 
-async def main(steady_s: float, only: str | None, keep: str | None) -> None:
-    logging.getLogger("relay").setLevel(logging.WARNING)
+async def classic(tmp: Path, steady_s: float, rows: list[Row], only: str | None) -> None:
     clients = chosen(only)
     if REDIS is None and any(c.relays > 1 for c in clients):
         print("redis-server (or valkey-server) is not on the PATH: the shared rows ("
@@ -330,45 +230,79 @@ async def main(steady_s: float, only: str | None, keep: str | None) -> None:
         if not clients:
             return
     jobs = {"burst": burst(), "steady": steady(steady_s)}
-    rows: list[Row] = []
-    began = time.monotonic()
-    with tempfile.TemporaryDirectory() as scratch:
-        tmp = keep or scratch
-        redis = None
-        if any(c.relays > 1 for c in clients):
-            assert REDIS is not None
-            redis = RedisServer(REDIS, Path(tmp) / "redis")
-            redis.start()
-        quiet_until = trio.current_time() + LEASE_S + 0.5
-        try:
-            async with trio.open_nursery() as nursery:
-                for client in clients:
-                    nursery.start_soon(one_client, client, jobs, rows, Path(tmp), redis,
-                                       quiet_until)
-        finally:
-            if redis is not None:
-                redis.stop()
-    total = {k: sum(prompt_tokens([{"role": "user", "content": j.content}]) for j in v)
-             for k, v in jobs.items()}
-    print(f"limits: {LIMITS.rpm:g} requests, {LIMITS.itpm:,.0f} input and "
+    redis = None
+    if any(c.relays > 1 for c in clients):
+        assert REDIS is not None
+        redis = RedisServer(REDIS, tmp / "redis")
+        redis.start()
+    quiet_until = trio.current_time() + LEASE_S + 0.5
+    try:
+        async with trio.open_nursery() as nursery:
+            for client in clients:
+                nursery.start_soon(one_client, client, jobs, rows, tmp, redis, quiet_until)
+    finally:
+        if redis is not None:
+            redis.stop()
+    total = {k: sum(j.prompt for j in v) for k, v in jobs.items()}
+    print(f"classic: {LIMITS.rpm:g} requests, {LIMITS.itpm:,.0f} input and "
           f"{LIMITS.otpm:,.0f} output tokens a minute; {LANES} lanes; answers at "
           f"{TOKENS_PER_S:g} tokens/s after {FIRST_TOKEN_S:g} s; burst: 60 requests "
           f"({total['burst']:,} input tokens); steady: {len(jobs['steady'])} requests "
           f"({total['steady']:,} input tokens) over {steady_s:g} s")
-    print_table(rows)
-    print(f"({time.monotonic() - began:.0f} s in all)")
+
+
+Scenario = Callable[[Path, float, list[Row]], Awaitable[None]]
+SCENARIOS: dict[str, Scenario | None] = {
+    "cache": token_scenarios.cache,
+    "models": token_scenarios.models,
+    "korean": token_scenarios.korean,
+    "second-client": token_scenarios.second_client,
+    "classic": None,  # (takes --only)
+}
+
+
+async def main(scenarios: list[str], steady_s: float, only: str | None,
+               keep: str | None) -> None:
+    logging.getLogger("relay").setLevel(logging.WARNING)
+    os.environ.setdefault("FAKE_METERED_KEY", "sk-fake-metered")
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(keep or scratch)
+        for name in scenarios:
+            began, before = time.monotonic(), len(rows)
+            run = SCENARIOS[name]
+            if run is None:
+                await classic(tmp, steady_s, rows, only)
+            else:
+                await run(tmp, steady_s, rows)
+            print(f"({name}: {time.monotonic() - began:.0f} s)")
+            print_rows(rows[before:])
+            print(flush=True)
     print(json.dumps([attrs.asdict(r) for r in rows]), file=sys.stderr)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--scenario", default="all", metavar="NAME[,NAME]",
+                        help="which: " + ", ".join(SCENARIOS) + ", or all (the default)")
     parser.add_argument("--steady-s", type=float, default=90.0)
     parser.add_argument("--only", metavar="NAME[,NAME]",
-                        help="run only the clients whose name contains one of these "
-                        "(case ignored), e.g. 'shared' or 'direct,headers only'")
+                        help="classic: run only the clients whose name contains one of "
+                        "these (case ignored), e.g. 'shared' or 'direct,headers only'")
+    parser.add_argument("--one-model", action="store_true",
+                        help="classic: every request names one model (m-out400), the "
+                        "answers cut by max_tokens, instead of two models the provider "
+                        "meters together")
     parser.add_argument("--keep", metavar="DIR",
-                        help="keep the relays' records (<client>.<n>.jsonl) in DIR")
+                        help="keep the relays' records (<client>.jsonl) in DIR")
     args = parser.parse_args()
+    picked = list(SCENARIOS) if args.scenario == "all" else [
+        s.strip() for s in args.scenario.split(",") if s.strip()]
+    unknown = [s for s in picked if s not in SCENARIOS]
+    if unknown:
+        parser.error(f"--scenario: no {', '.join(unknown)}; the scenarios: "
+                     + ", ".join(SCENARIOS) + ", all")
+    ONE_MODEL = args.one_model
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)
-    trio.run(main, args.steady_s, args.only, args.keep)
+    trio.run(main, picked, args.steady_s, args.only, args.keep)
