@@ -149,6 +149,8 @@ def _params(data: dict[str, Any], own: dict[str, Any]
         else:
             own[f"options.{key}"] = value
     form = data.get("format")
+    if form == {}:  # an empty schema constrains nothing: no format asked (as no field)
+        form = None
     if isinstance(form, dict):
         params["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": form}}

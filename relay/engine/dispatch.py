@@ -65,9 +65,7 @@ class Dispatcher:
         # SPEC L14: whose request it is (the record's client), and its weight in turns
         # inside a priority class of a lane's queue ("default": relay without [clients]).
         self.client, self.client_weight = record.client, client_weight
-        self.record = record
-        self.stop = stop
-        self.stream = stream
+        self.record, self.stop, self.stream = record, stop, stream
         self.runs: list[Run] = []
         self.notices: LaneNotices | None = None  # made when it runs (it needs the nursery)
 

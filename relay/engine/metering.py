@@ -22,8 +22,6 @@ class across relays (turns there are not built yet: docs/architecture.md).
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -39,24 +37,22 @@ from relay.capacity.budget import (
     Reservation,
     bounded_hold,
     estimate_input,
-    output_reservation,
 )
-from relay.capacity.estimate import script_of
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import Lane, Ticket
 from relay.capacity.meter import scope_of
 from relay.shared.budget import SharedBudget
 from relay.shared.lane import SharedLane
 from relay.vocab.errors import RelayError
-from relay.vocab.events import Call
 from relay.vocab.limits import RateLimits
 from relay.vocab.records import Attempt, Record
 
 from .attempt import Delivered, Run
+from .needs import conversation_of, need_of, skips_cache_reads
 from .plan import Plan, Target
 from .providers import Provider
 
-__all__ = ["Attempting", "count_wait", "need_of", "run", "slot", "wait_out"]
+__all__ = ["Attempting", "count_wait", "run", "slot", "wait_out"]
 
 logger = logging.getLogger("relay.dispatch")
 
@@ -75,80 +71,6 @@ class Attempting(Protocol):
     @property
     def heartbeat_s(self) -> float:
         """How soon a queued stream's headers go out (``[server] heartbeat_s``)."""
-
-
-def need_of(run_: Run, learned_from: Learned) -> Need:
-    """What the attempt takes from its model's and its account's token budgets (SPEC
-    L12a): relay's estimate of the input the provider counts — for a provider that does
-    not count cache reads, a request that marks a prefix for the cache leaves out the
-    part of its conversation the last answer says is cached, and one relay knows nothing
-    of is never refused as too large — plus the output reservation."""
-    call = run_.call
-    provider = run_.target.provider
-    provider_max = getattr(provider.config.settings, "max_tokens", None)
-    learned = learned_from.output(call.model)
-    raw, script = estimate_input(call), script_of(call)
-    # What this provider counted for this model's prompts in this script so far.
-    ratio = provider.input_ratio
-    estimate = ratio.adjust(call.model, script, raw)
-    # Judged too large on the fewest the provider may count once its own counts say so;
-    # until then on the learned estimate (a guess below it would send what never fits).
-    least = ratio.least(call.model, script, raw) if ratio.known(call.model, script) \
-        else estimate
-    needed, sure = estimate, True
-    if skips_cache_reads(provider) and marks_cache(call):  # (unmarked: nothing cached)
-        uncached = provider.conversations.uncached(conversation_of(call), estimate)
-        if uncached is not None:
-            needed, least = uncached, min(least, uncached)
-        else:
-            sure = False
-    return Need(needed, output_reservation(
-        call, learned, provider_max if isinstance(provider_max, int) else None),
-        scope=scope_of(call.model), sure=sure, estimate=estimate, script=script,
-        least=least)
-
-
-def skips_cache_reads(provider: Provider) -> bool:
-    """The provider's input budget counts no cache reads (Anthropic's: ``input_tokens``
-    and ``cache_creation_input_tokens``, not ``cache_read_input_tokens``; SPEC L12a).
-    OpenAI and Gemini count every prompt token."""
-    return provider.config.adapter == "anthropic"
-
-
-def conversation_of(call: Call) -> str:
-    """The conversation a call continues: the client's own cache key where it sends one,
-    else a digest of its system prompt and first message (SPEC L12a, L13)."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(scope_of(call.model).encode())
-    key = call.params.get("prompt_cache_key")
-    if isinstance(key, str) and key:
-        digest.update(b"\0key\0" + key.encode())
-        return digest.hexdigest()
-    firsts: dict[str, Any] = {}
-    for message in call.messages:
-        role = "system" if message.get("role") in ("system", "developer") else "first"
-        firsts.setdefault(role, message.get("content"))
-        if len(firsts) == 2:
-            break
-    digest.update(json.dumps(firsts, sort_keys=True, default=str).encode())
-    return digest.hexdigest()
-
-
-def marks_cache(call: Call) -> bool:
-    """The request marks a prefix for the provider's prompt cache (``cache_control``)."""
-    body = call.inbound.body
-    parts: list[Any] = [body.get("system"), body.get("messages")] if body else []
-    parts.append(call.messages)
-    stack = parts
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            if "cache_control" in item:
-                return True
-            stack.extend(v for v in item.values() if isinstance(v, list | dict))
-        elif isinstance(item, list):
-            stack.extend(v for v in item if isinstance(v, list | dict))
-    return False
 
 
 def slot(dispatcher: Attempting, run_: Run, on_queued: Callable[[], None]
@@ -181,7 +103,8 @@ async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
         waited, held_by, kinds = await lane.tokens.take(need, deadline=deadline,
                                                         probe=probe,
                                                         leave_if_held=run_.has_fallback)
-        model = lane.model_tokens(need.scope)  # (SPEC L12a: its model's, once known)
+        # SPEC L12a: its model's too (what any relay sharing the provider heard of it).
+        model = lane.model_tokens(need.scope, create=True)
         if model is not None:
             try:
                 more, model_held, ticket.model_kinds = await model.take(

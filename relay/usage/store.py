@@ -106,12 +106,17 @@ class UsageStore:
     async def close(self, grace_s: float) -> None:
         """One last read (the records writer has written its last), shielded, within
         ``grace_s``; then close the database."""
-        with trio.CancelScope(shield=True, deadline=trio.current_time() + grace_s):
-            await self.catch_up()
-        if self.behind:
-            logger.warning("relay stops with %d bytes of records not in the usage database "
-                           "%s; it reads them at the next start", self.behind, self.path)
-        async with self._lock:  # (no checkpoint: nothing else runs on it any more)
+        try:
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + grace_s):
+                await self.catch_up()
+        finally:
+            if self.behind:
+                logger.warning("relay stops with %d bytes of records not in the usage "
+                               "database %s; it reads them at the next start", self.behind,
+                               self.path)
+            # Closed at once, without a checkpoint (a cancelled caller must not leave the
+            # file open): no thread uses it any more — a worker-thread call is never
+            # abandoned, so the serving task's last one has returned before this runs.
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None

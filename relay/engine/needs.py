@@ -1,0 +1,95 @@
+"""What an attempt will take from its provider's token budgets (SPEC L12, L12a): its
+`Need` — relay's estimate of the input as the provider counts it (learned per model and
+script, `relay.capacity.estimate.InputRatio`; for a provider that does not count cache
+reads, less the part of a conversation its last answer says is cached), the output
+reservation, the model's budget scope — and the conversation it belongs to."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from relay.capacity.budget import Learned, Need, estimate_input, output_reservation
+from relay.capacity.estimate import script_of
+from relay.capacity.meter import scope_of
+from relay.vocab.events import Call
+
+from .attempt import Run
+from .providers import Provider
+
+__all__ = ["conversation_of", "marks_cache", "need_of", "skips_cache_reads"]
+
+
+def need_of(run_: Run, learned_from: Learned) -> Need:
+    """What the attempt takes from its model's and its account's token budgets (SPEC
+    L12a): relay's estimate of the input the provider counts — for a provider that does
+    not count cache reads, a request that marks a prefix for the cache leaves out the
+    part of its conversation the last answer says is cached, and one relay knows nothing
+    of is never refused as too large — plus the output reservation."""
+    call = run_.call
+    provider = run_.target.provider
+    provider_max = getattr(provider.config.settings, "max_tokens", None)
+    learned = learned_from.output(call.model)
+    raw, script = estimate_input(call), script_of(call)
+    # What this provider counted for this model's prompts in this script so far.
+    ratio = provider.input_ratio
+    estimate = ratio.adjust(call.model, script, raw)
+    # Judged too large on the fewest the provider may count once its own counts say so;
+    # until then on the learned estimate (a guess below it would send what never fits).
+    least = ratio.least(call.model, script, raw) if ratio.known(call.model, script) \
+        else estimate
+    needed, sure = estimate, True
+    if skips_cache_reads(provider) and marks_cache(call):  # (unmarked: nothing cached)
+        uncached = provider.conversations.uncached(conversation_of(call), estimate)
+        if uncached is not None:
+            needed, least = uncached, min(least, uncached)
+        else:
+            sure = False
+    return Need(needed, output_reservation(
+        call, learned, provider_max if isinstance(provider_max, int) else None),
+        scope=scope_of(call.model), sure=sure, estimate=estimate, script=script,
+        least=least)
+
+
+def skips_cache_reads(provider: Provider) -> bool:
+    """The provider's input budget counts no cache reads (Anthropic's: ``input_tokens``
+    and ``cache_creation_input_tokens``, not ``cache_read_input_tokens``; SPEC L12a).
+    OpenAI and Gemini count every prompt token."""
+    return provider.config.adapter == "anthropic"
+
+
+def conversation_of(call: Call) -> str:
+    """The conversation a call continues: the client's own cache key where it sends one,
+    else a digest of its system prompt and first message (SPEC L12a, L13)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(scope_of(call.model).encode())
+    key = call.params.get("prompt_cache_key")
+    if isinstance(key, str) and key:
+        digest.update(b"\0key\0" + key.encode())
+        return digest.hexdigest()
+    firsts: dict[str, Any] = {}
+    for message in call.messages:
+        role = "system" if message.get("role") in ("system", "developer") else "first"
+        firsts.setdefault(role, message.get("content"))
+        if len(firsts) == 2:
+            break
+    digest.update(json.dumps(firsts, sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+def marks_cache(call: Call) -> bool:
+    """The request marks a prefix for the provider's prompt cache (``cache_control``)."""
+    body = call.inbound.body
+    parts: list[Any] = [body.get("system"), body.get("messages")] if body else []
+    parts.append(call.messages)
+    stack = parts
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if "cache_control" in item:
+                return True
+            stack.extend(v for v in item.values() if isinstance(v, list | dict))
+        elif isinstance(item, list):
+            stack.extend(v for v in item if isinstance(v, list | dict))
+    return False
