@@ -151,6 +151,9 @@ def _params(data: dict[str, Any], own: dict[str, Any]
     form = data.get("format")
     if form == {}:  # an empty schema constrains nothing: no format asked (as no field)
         form = None
+    if isinstance(form, dict) and not _schema_like(form):
+        raise bad_request("'format' must be \"json\" or a JSON schema (an object with "
+                          "\"type\", \"properties\", \"enum\" …)", "format")
     if isinstance(form, dict):
         params["response_format"] = {"type": "json_schema", "json_schema": {
             "name": "output", "schema": form}}
@@ -393,3 +396,17 @@ class OllamaStream:
 
 
 OLLAMA = OllamaDialect()  # for errors (every /api/ path); requests get `fresh` ones
+
+
+_SCHEMA_WORDS = frozenset({"type", "properties", "items", "enum", "const", "anyOf", "oneOf",
+                           "allOf", "$ref", "$schema", "$defs", "required", "format"})
+
+
+def _schema_like(form: dict[str, Any]) -> bool:
+    """Whether ``format`` reads as a JSON schema: a schema keyword, and a ``type`` (when
+    given) that names types."""
+    if not _SCHEMA_WORDS & form.keys():
+        return False
+    kind = form.get("type")
+    return kind is None or isinstance(kind, str) or (
+        isinstance(kind, list) and all(isinstance(k, str) for k in kind))
