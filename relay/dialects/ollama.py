@@ -50,6 +50,9 @@ Errors are ``{"error": "REASON: message"}`` with relay's fields beside it in ``r
 (Ollama's clients read only ``error``).
 """
 
+# layers: long because it maps every Ollama field both ways: the request into relay's call
+# (options, format, images, tools) and relay's events into NDJSON answers.
+
 from __future__ import annotations
 
 import json
