@@ -103,8 +103,11 @@ async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
         waited, held_by, kinds = await lane.tokens.take(need, deadline=deadline,
                                                         probe=probe,
                                                         leave_if_held=run_.has_fallback)
-        # SPEC L12a: its model's too (what any relay sharing the provider heard of it).
-        model = lane.model_tokens(need.scope, create=True)
+        # SPEC L12a: its model's too, once this relay has heard of the model (its headers,
+        # a 429 naming it, its configured figures): from then on what any relay sharing
+        # the provider heard of it (a provider that sends no headers costs no second
+        # call to the server).
+        model = lane.model_tokens(need.scope)
         if model is not None:
             try:
                 more, model_held, ticket.model_kinds = await model.take(
