@@ -8,6 +8,7 @@ from typing import Any
 
 from relay.adapters import ADAPTERS
 from relay.config import Config, RouteConfig, best_pattern
+from relay.vocab.profile import ACCOUNT_PROFILE_KEYS
 
 __all__ = ["AGENT_MODELS", "describe_config", "describe_providers", "describe_records",
            "resolution"]
@@ -113,6 +114,7 @@ def describe_config(config: Config, names: tuple[str, ...] = ()) -> str:
                      + (f"; {detail}" if detail else "")
                      + ("; shared across relays (SPEC L11)" if p.shared else ""))
         lines.append(f"    token budgets: {_budgets_line(p)}")
+        lines += _account_lines(p)
     if not config.providers:
         lines.append("  (none)")
     lines.append("routes:")
@@ -125,6 +127,28 @@ def describe_config(config: Config, names: tuple[str, ...] = ()) -> str:
     for name, who in asked:
         lines.append(f"  {name} ({who}) -> {resolution(config, name)}")
     return "\n".join(lines)
+
+
+def _account_lines(p: Any) -> list[str]:
+    """Each account (SPEC L13): where its key or login comes from (never the key), and
+    the figures it sets apart from the provider's."""
+    if not p.accounts:
+        return []
+    lines = [f"    accounts ({len(p.accounts)}; one queue, each request on the account "
+             "that can start it soonest, a conversation on the one that served it):"]
+    kind = ADAPTERS[p.adapter]
+    for account in p.accounts:
+        own = [f"{key} {getattr(account.profile, key):g}" for key in ACCOUNT_PROFILE_KEYS
+               if getattr(account.profile, key) != getattr(p.profile, key)]
+        detail = kind.describe_settings(account.settings)
+        key_env = getattr(account.settings, "api_key_env", None)
+        env = getattr(account.settings, "env", None)
+        said = [f"key from ${key_env}" if key_env else "",
+                f"env {', '.join(sorted(env))}" if env else "", detail,
+                ", ".join(own)]
+        lines.append(f"      {account.name}: " + ("; ".join(s for s in said if s)
+                                                 or "the provider's settings"))
+    return lines
 
 
 def _budgets_line(p: Any) -> str:

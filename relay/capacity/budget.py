@@ -268,6 +268,15 @@ class Budget:
                 return kind, need.cost(kind), bucket.limit
         return None
 
+    def headroom(self, need: Need | None, now: float | None = None) -> float:
+        """The least share left after ``need``, over its budgets (1.0: none set)."""
+        now = self._clock() if now is None else now
+        room = 1.0
+        for kind, bucket in self._kinds():
+            cost = need.cost(kind) if need is not None else 0
+            room = min(room, (bucket.level_at(now) - cost) / bucket.limit)
+        return room
+
     def hold_left(self, now: float | None = None) -> float:
         now = self._clock() if now is None else now
         if self.hold_state is None:
@@ -463,7 +472,7 @@ class Budget:
             "used_last_minute": self.used_last_minute(now),
             "reserved_output": self._outstanding_out(),
             "hold": ({"until": iso(self.hold_state.until), "left_s": round(held, 3),
-                      "cause": self.hold_state.cause}
+                      "cause": self.hold_state.cause, "reason": self.hold_state.reason}
                      if self.hold_state is not None and held > 0 else None),
             # Tokens used per minute over the last hour, oldest first (the page's chart).
             "per_minute": [history.get(m, 0) for m in range(minute - 59, minute + 1)],

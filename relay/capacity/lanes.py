@@ -79,7 +79,7 @@ import contextlib
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 
 import attrs
@@ -90,7 +90,8 @@ from relay.vocab.events import LaneStatistics
 from relay.vocab.limits import RateLimits
 from relay.vocab.profile import ModelLimits, Profile
 
-from .budget import Need, Reservation, held_error, too_large
+from .account import Account
+from .budget import Learned, Need, Reservation, held_error, too_large
 from .meter import Meter
 from .pacer import Pacer
 
@@ -115,6 +116,12 @@ class Ticket:
     held_by: str | None = None  # the provider's hold that delayed it, if one did
     # A shared lane's take from its model's budgets (SPEC L12a): the budgets it took.
     model_kinds: frozenset[str] | None = None
+    account: Account | None = None  # the account it runs on (SPEC L13; a local lane's)
+
+    @property
+    def account_name(self) -> str:
+        """The account's name ("" for a provider without accounts)."""
+        return self.account.name if self.account is not None else ""
 
     @property
     def queue_s(self) -> float:
@@ -139,6 +146,13 @@ class _Waiter:
     token_wait_s: float = 0.0  # time it spent as a head that only waited for tokens
     head_since: float | None = None
     held_by: str | None = None
+    # SPEC L13: the account that served its conversation last (it waits for it up to
+    # the profile's affinity_wait_s from ``since``), the accounts it must not use (they
+    # failed it), and the account it was granted.
+    prefer: str | None = None
+    avoid: frozenset[str] = frozenset()
+    since: float = 0.0
+    account: Account | None = None
 
     def __lt__(self, other: _Waiter) -> bool:
         return (self.rank, self.tag, self.seq) < (other.rank, other.tag, other.seq)
@@ -150,10 +164,11 @@ class Lane:
     shared = False  # `relay.capacity.lane_api.LaneLike`: counted in this process alone
 
     def __init__(self, name: str, profile: Profile, *, expected_run_s: float = 10.0,
-                 limits: Mapping[str, ModelLimits] | None = None) -> None:
+                 limits: Mapping[str, ModelLimits] | None = None,
+                 accounts: Sequence[tuple[str, Profile]] = ()) -> None:
         self.name = name
         self._profile = profile
-        self._borrowed = 0
+        self._borrowed = 0  # slots held now, every account's
         self._live = 0  # waiters neither granted nor cancelled
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
@@ -161,8 +176,6 @@ class Lane:
         # latest start); per class and client, the client's next free turn.
         self._vtime = [0.0] * len(PRIORITIES)
         self._turns: dict[tuple[int, str], float] = {}
-        # The pacer (SPEC L9): at most rpm starts in any 60 s, with the current profile's.
-        self._pacer = Pacer()
         # How long a slot is held, for honest Retry-After figures: the adapter's typical
         # call time until a hold has been seen, then a running average of the holds seen
         # (the first one replaces the guess). And when each slot held now was taken.
@@ -171,11 +184,40 @@ class Lane:
         self._held_since: list[float] = []
         self._idle = trio.Event()
         self._idle.set()
-        # SPEC L12, L12a: the provider's token budgets and holds, the account's and each
-        # model's; a change (a settlement, a header, a hold) may let the head start
-        # sooner, or must make it wait longer.
-        self.budget = Meter(profile, trio.current_time, limits)
-        self.budget.on_change = self._budget_changed
+        # SPEC L13: the accounts, each with its slots, pacer (SPEC L9) and budgets (SPEC
+        # L12, L12a: the account's and each model's); a change of a budget (a settlement,
+        # a header, a hold) may let the head start sooner, or must make it wait longer.
+        self._limits = limits
+        self._learned = Learned()  # how long each model answers: one for every account
+        self.accounts: list[Account] = []
+        self._capacity = 0
+        self._set_accounts(accounts or [("", profile)])
+
+    def _set_accounts(self, accounts: Sequence[tuple[str, Profile]]) -> None:
+        """The accounts as configured now: a kept one (by name) keeps its pacer, budgets
+        and state; a removed one's running requests still give their slots back."""
+        kept = {a.name: a for a in self.accounts}
+        fresh: list[Account] = []
+        for name, profile in accounts:
+            account = kept.get(name)
+            if account is None:
+                account = Account(name, profile, trio.current_time, self._limits,
+                                  self._learned)
+                account.meter.on_change = self._budget_changed
+            else:
+                account.profile = profile
+                account.meter.update_profile(profile, self._limits)
+            fresh.append(account)
+        self.accounts = fresh
+        self._capacity = sum(a.profile.lanes for a in fresh)
+
+    @property
+    def budget(self) -> Meter:
+        """The (first) account's budgets: a provider without accounts has one."""
+        return self.accounts[0].meter
+
+    def account(self, name: str) -> Account | None:
+        return next((a for a in self.accounts if a.name == name), None)
 
     def _budget_changed(self) -> None:
         if self._live:
@@ -186,30 +228,58 @@ class Lane:
 
     def observe(self, limits: RateLimits | None, *, scope: str = "",
                 started_at: float | None = None, ok: bool = False,
-                reason: str = "rate_limited", own: Reservation | None = None) -> None:
-        """What an answer for model ``scope`` said of the provider's limits (SPEC L12a)."""
-        self.budget.observe(limits, scope=scope, started_at=started_at, ok=ok,
-                            reason=reason, own=own)
+                reason: str = "rate_limited", own: Reservation | None = None,
+                account: Account | None = None) -> None:
+        """What an answer for model ``scope`` said of the limits of the account it ran on
+        (SPEC L12a, L13)."""
+        meter = account.meter if account is not None else self.budget
+        meter.observe(limits, scope=scope, started_at=started_at, ok=ok, reason=reason,
+                      own=own)
 
     def settle(self, ticket: Ticket, used_in: int, used_out: int) -> None:
         """Move the ticket's reservation to what the answer used (SPEC L12)."""
-        self.budget.settle(ticket.reservation, used_in, used_out)
+        meter = ticket.account.meter if ticket.account is not None else self.budget
+        meter.settle(ticket.reservation, used_in, used_out)
+
+    def account_failed(self, account: Account, reason: str, message: str) -> None:
+        """Its key was refused, its server did not answer (SPEC L13): it leaves the
+        choice a while, and the waiters choose again."""
+        account.failed(reason, message, trio.current_time())
+        self._budget_changed()
+
+    def account_answered(self, account: Account) -> None:
+        if account.out_reason is not None:
+            account.answered()
+            self._budget_changed()
+        else:
+            account.failures = 0
+
+    def others(self, avoid: frozenset[str]) -> list[Account]:
+        """The accounts a request that failed on ``avoid`` may still go to (in the
+        choice now, or all of them when every one is out)."""
+        now = trio.current_time()
+        left = [a for a in self.accounts if a.name not in avoid]
+        usable = [a for a in left if a.usable(now)]
+        return usable or left
 
     @property
     def profile(self) -> Profile:
         return self._profile
 
-    @property
-    def _next_start(self) -> float:
-        """The pacer's earliest next start (-inf when unpaced)."""
-        return self._pacer.next_start(self._profile.rpm)
-
     def update_profile(self, profile: Profile,
-                       limits: Mapping[str, ModelLimits] | None = None) -> None:
-        """Apply a reloaded profile (and models' limits) in place: never revokes a running
-        slot. A new rpm applies at once, to the starts of the last minute."""
+                       limits: Mapping[str, ModelLimits] | None = None,
+                       accounts: Sequence[tuple[str, Profile]] | None = None) -> None:
+        """Apply a reloaded profile (and models' limits, and accounts) in place: never
+        revokes a running slot. A new rpm applies at once, to the starts of the last
+        minute."""
+        if limits is not None:
+            self._limits = limits
+        if accounts is None:  # (a provider without accounts: its profile is its one's)
+            accounts = ([("", profile)] if len(self.accounts) == 1
+                        and not self.accounts[0].name
+                        else [(a.name, a.profile) for a in self.accounts])
         self._profile = profile
-        self.budget.update_profile(profile, limits)
+        self._set_accounts(accounts)
         self._hand_off()
 
     async def wait_idle(self) -> None:
@@ -231,10 +301,12 @@ class Lane:
 
     def statistics(self) -> LaneStatistics:
         waiting_for = None
-        if self._live and self.budget.active:
-            head = self._head()
-            waiting_for = self.budget.waiting_for(head.need if head else None)
-        return LaneStatistics(running=self._borrowed, capacity=self._profile.lanes,
+        head = self._head() if self._live else None
+        if head is not None:
+            account, _ = self._choose(head, trio.current_time())
+            if account is not None:
+                waiting_for = account.meter.waiting_for(head.need)
+        return LaneStatistics(running=self._borrowed, capacity=self._capacity,
                               queued=self._live, queue_max=self._profile.queue_max,
                               waiting_for=waiting_for)
 
@@ -277,7 +349,7 @@ class Lane:
         now = trio.current_time()
         rank = PRIORITIES.get(priority, PRIORITIES["normal"])
         prof = self._profile
-        lanes = max(1, prof.lanes)
+        lanes = max(1, self._capacity)
         bound = prof.run_timeout_s + prof.interrupt_grace_s
         ran = sorted(now - t for t in self._held_since)
         call = self._avg_run_s
@@ -292,22 +364,29 @@ class Lane:
         turn = self._turn_of(rank, client)
         ahead = sum(1 for w in self._heap if not w.cancelled and (
             w.rank < rank or (w.rank == rank and w.tag <= turn)))
-        pacer = self._pacer.copy(now)  # its window, from now (a simulation's own)
+        # The pacer: the one account's window, from now (a simulation's own); several
+        # accounts pace at their rates' sum, from a fresh window (an estimate).
+        rpm = sum(a.profile.rpm for a in self.accounts)
+        if any(a.profile.rpm <= 0 for a in self.accounts):
+            rpm = 0.0
+        pacer = (self.accounts[0].pacer.copy(now) if len(self.accounts) == 1
+                 else Pacer())
         steps = min(ahead, 4096) + 1
         start = 0.0
         for _ in range(steps):
-            start = max(heapq.heappop(free), pacer.next_start(prof.rpm))
+            start = max(heapq.heappop(free), pacer.next_start(rpm))
             pacer.add(start)
             heapq.heappush(free, start + call)
-        gap = 60.0 / prof.rpm if prof.rpm > 0 else 0.0
+        gap = 60.0 / rpm if rpm > 0 else 0.0
         start += (ahead + 1 - steps) * max(call / lanes, gap)  # a huge queue: its rate
-        start = max(start, self.budget.hold_left(now))  # the provider's hold (SPEC L12)
+        start = max(start, self.hold_left(now))  # the provider's hold (SPEC L12)
         return max(0.0, start), left, call, ahead
 
     def slot(
         self, priority: str = "normal", *, client: str = "default", weight: float = 1.0,
         on_queued: Callable[[], None] | None = None,
         need: Need | None = None, leave_if_held: bool = False, probe: bool = False,
+        prefer: str | None = None, avoid: frozenset[str] = frozenset(),
     ) -> _Slot:
         """Hold one slot for the body of the ``async with``.
 
@@ -321,7 +400,10 @@ class Lane:
             leave_if_held: leave at once while the provider holds every start (the
                 request has a fallback to go to).
             probe: a connection check: it may pass a hold (it shows whether the limit
-                has lifted).
+                has lifted) and use an account that is out.
+            prefer: the account that served its conversation last (SPEC L13): it waits
+                for it up to the profile's ``affinity_wait_s``.
+            avoid: accounts it must not use (they failed it: SPEC L13).
 
         Raises:
             RelayError: ``provider_queue_full``, ``provider_queue_timeout``,
@@ -330,7 +412,7 @@ class Lane:
         if not (weight > 0 and math.isfinite(weight)):
             raise ValueError(f"a client's weight must be positive and finite, not {weight!r}")
         return _Slot(self, priority, on_queued, need, leave_if_held, probe, client,
-                     1.0 / weight)
+                     1.0 / weight, prefer, avoid)
 
     # --- turns between clients (SPEC L14; the module docstring) -----------------------------
     def _turn_of(self, rank: int, client: str) -> float:
@@ -363,14 +445,80 @@ class Lane:
         if later:
             heapq.heapify(self._heap)
 
+    # --- the choice of an account (SPEC L13; relay.capacity.account) ------------------------
+    def _choose(self, waiter: _Waiter, now: float) -> tuple[Account | None, float]:
+        """The account ``waiter`` would start on, and when (inf: none has a slot for it
+        now): the one that can start it soonest (its slot, pacer, budgets, holds), ties
+        to the most headroom; its conversation's account while that one can start it
+        within ``affinity_wait_s`` of its arrival. Accounts that are out are left out,
+        unless every one it may use is."""
+        accounts = self.accounts
+        if len(accounts) == 1 and not waiter.avoid:  # (the common case, kept cheap)
+            one = accounts[0]
+            return one, one.ready_at(waiter.need, now, waiter.probe, out_too=True)
+        left = [a for a in accounts if a.name not in waiter.avoid]
+        everyone_out = not any(a.usable(now) for a in left)
+        best: Account | None = None
+        best_at, room = math.inf, (0.0, 0.0)
+        preferred = None
+        for account in left:
+            at = account.ready_at(waiter.need, now, waiter.probe, everyone_out)
+            if account.name == waiter.prefer:
+                preferred = (account, at)
+            if at > best_at or at == math.inf:
+                continue
+            here = account.headroom(waiter.need)
+            if at < best_at or here > room:
+                best, best_at, room = account, at, here
+        if preferred is not None and len(left) > 1:
+            account, at = preferred
+            until = waiter.since + self._profile.affinity_wait_s
+            if at <= now:
+                return account, at
+            scope = waiter.need.scope if waiter.need is not None else None
+            if (now < until and account.usable(now, waiter.probe, everyone_out)
+                    and now + account.meter.hold_left(now, scope) < until):
+                return account, min(at, until)  # it waits for its conversation's account
+        if best is None:  # no free slot: the first account, for what it waits for
+            return None, math.inf
+        return best, best_at
+
     def _ready_at(self, waiter: _Waiter | None, now: float) -> float:
-        """When ``waiter`` (the head) could start: the pacer, its budgets, a hold."""
-        ready = self._next_start
-        if waiter is not None and self.budget.active:
-            wait = self.budget.wait_s(waiter.need, probe=waiter.probe, now=now)
-            if wait > 0:
-                ready = max(ready, now + wait)
-        return ready
+        """When ``waiter`` (the head) could start: a slot, the pacer, budgets, holds."""
+        if waiter is None:
+            return math.inf
+        return self._choose(waiter, now)[1]
+
+    def _waits_for_itself(self, waiter: _Waiter, now: float) -> bool:
+        """A free account, its pacer ready, that ``waiter`` cannot start on for reasons
+        of its own — its model's budgets (SPEC L12a), its conversation's account (L13),
+        an account that failed it — so another waiter may start there before it. What
+        holds an account back for everyone (its budgets, a hold, the pacer) is passed by
+        nobody."""
+        if waiter.prefer is not None and now < waiter.since + self._profile.affinity_wait_s:
+            chosen = self._choose(waiter, now)[0]
+            if chosen is not None and chosen.name == waiter.prefer:
+                return True
+        for account in self.accounts:
+            if (not account.free or not account.usable(now, waiter.probe)
+                    or account.next_start() > now):
+                continue
+            if account.name in waiter.avoid:
+                return True
+            if account.meter.waits_for_model(waiter.need, now):
+                return True
+        return False
+
+    def hold_left(self, now: float | None = None, scope: str | None = None) -> float:
+        """How long the provider holds every start of ``scope``: the shortest hold of its
+        accounts in the choice (SPEC L12, L13)."""
+        now = trio.current_time() if now is None else now
+        accounts = [a for a in self.accounts if a.usable(now)] or self.accounts
+        return min(a.meter.hold_left(now, scope) for a in accounts)
+
+    def _holder(self, scope: str | None, now: float) -> Meter:
+        accounts = [a for a in self.accounts if a.usable(now)] or self.accounts
+        return min(accounts, key=lambda a: a.meter.hold_left(now, scope)).meter
 
     def _head(self) -> _Waiter | None:
         while self._heap and self._heap[0].cancelled:
@@ -379,18 +527,23 @@ class Lane:
 
     def _held_error(self, priority: str, why: str, scope: str,
                     client: str = "default") -> RelayError:
-        return held_error(self.name, self.budget.holder(scope), why,
+        now = trio.current_time()
+        return held_error(self.name, self._holder(scope, now).holder(scope), why,
                           max(1.0, self.estimate(priority, client)[0],
-                              self.budget.hold_left(scope=scope)))
+                              self.hold_left(now, scope)))
 
     def _refuse_early(self, need: Need | None, leave_if_held: bool, probe: bool,
-                      priority: str, now: float, client: str) -> None:
-        """Before queueing (SPEC L12): a need larger than a whole budget never starts;
-        a hold goes on past the queue timeout, or the request has a fallback to go to."""
-        if need is not None and (found := self.budget.too_large(need)):
-            raise too_large(self.name, need, *found)
+                      priority: str, now: float, client: str,
+                      avoid: frozenset[str]) -> None:
+        """Before queueing (SPEC L12): a need larger than a whole budget (of every
+        account) never starts; a hold goes on past the queue timeout, or the request has
+        a fallback to go to."""
+        if need is not None:
+            found = [a.meter.too_large(need) for a in self.accounts if a.name not in avoid]
+            if found and all(found):
+                raise too_large(self.name, need, *found[0])  # type: ignore[misc]
         scope = need.scope if need is not None else ""
-        held = 0.0 if probe else self.budget.hold_left(now, scope)
+        held = 0.0 if probe else self.hold_left(now, scope)
         if held > 0 and (leave_if_held or held > self._profile.queue_timeout_s):
             raise self._held_error(priority, "it has a fallback to go to" if leave_if_held
                                    else "longer than this request may wait "
@@ -404,10 +557,10 @@ class Lane:
         current = trio.current_time()
         scope = waiter.need.scope if waiter.need is not None else ""
         held = (0.0 if waiter.probe or waiter.granted
-                else self.budget.hold_left(current, scope))
+                else self.hold_left(current, scope))
         if held <= 0:
             return
-        hold = self.budget.holder(scope).hold_state
+        hold = self._holder(scope, current).holder(scope).hold_state
         if waiter.held_by is None and hold is not None:
             waiter.held_by = hold.cause
         if leave_if_held or current + held > deadline:
@@ -418,7 +571,8 @@ class Lane:
     async def _acquire(self, priority: str, on_queued: Callable[[], None] | None,
                        need: Need | None = None, leave_if_held: bool = False,
                        probe: bool = False, client: str = "default",
-                       step: float = 1.0) -> Ticket:
+                       step: float = 1.0, prefer: str | None = None,
+                       avoid: frozenset[str] = frozenset()) -> Ticket:
         # long because a waiter's whole life reads best whole: refusals, the fast path,
         # its wake-ups (slot, pacer, budgets, holds), and the hand-back on a cancel.
         rank = PRIORITIES.get(priority)
@@ -426,33 +580,33 @@ class Lane:
             raise ValueError(f"unknown priority {priority!r}; one of {', '.join(PRIORITIES)}")
         await trio.lowlevel.checkpoint_if_cancelled()
         now = trio.current_time()
-        budget = self.budget if self.budget.active else None
-        if budget is not None:
-            self._refuse_early(need, leave_if_held, probe, priority, now, client)
+        self._refuse_early(need, leave_if_held, probe, priority, now, client, avoid)
         ticket = Ticket(priority=priority, queued_at=now)
         self._busy()
-        if (self._borrowed < self._profile.lanes and self._live == 0
-                and now >= self._next_start
-                and (budget is None or budget.wait_s(need, probe=probe, now=now) == 0)):
-            self._take(ticket, now)  # (a cancel point above; the schedule point is the
-            self._started_turn(rank, self._take_turn(rank, client, step))
-            ticket.reservation = self.budget.reserve(need) if budget else None
-            return ticket            # holder's next wait: no trip through the scheduler)
+        waiter = _Waiter(rank, next(self._seq), client, 0.0, step, need=need, probe=probe,
+                         prefer=prefer if len(self.accounts) > 1 else None, avoid=avoid,
+                         since=now)
+        if self._borrowed < self._capacity and self._live == 0:
+            account, ready = self._choose(waiter, now)
+            if account is not None and now >= ready:
+                self._take(ticket, now, account)  # (a cancel point above; the schedule
+                self._started_turn(rank, self._take_turn(rank, client, step))  # point is
+                ticket.reservation = account.meter.reserve(need)  # the holder's next
+                return ticket                 # wait: no trip through the scheduler)
         if self._live >= self._profile.queue_max:
             self._maybe_idle()
             raise self._capacity_error("provider_queue_full", priority=priority,
                                        client=client)
 
-        waiter = _Waiter(rank, next(self._seq), client, self._take_turn(rank, client, step),
-                         step, need=need, probe=probe)
+        waiter.tag = self._take_turn(rank, client, step)
         heapq.heappush(self._heap, waiter)
         self._live += 1
         deadline = now + self._profile.queue_timeout_s
         try:
             if on_queued is not None:
                 on_queued()  # inside the try: if it raises, the waiter still leaves
-            if self.budget.active:  # it may be the new head, and able to start now (a
-                self._hand_off()    # check passing a hold; a smaller need, ahead)
+            self._hand_off()  # it may be the new head, and able to start now (a check
+            # passing a hold; a smaller need, ahead)
             # (noqa, ASYNC912: a waiter granted before the loop runs has nothing to await.)
             with trio.move_on_at(deadline):  # noqa: ASYNC912
                 while not waiter.granted:
@@ -473,95 +627,113 @@ class Lane:
             # Cancelled from outside (client gone, shutdown) or anything else. Granted in
             # the same tick? Then the slot is ours and must go back, or it leaks.
             if waiter.granted:
+                account = waiter.account
+                assert account is not None
                 self._unstart(waiter)
                 self._held_since.remove(waiter.granted_at)
-                self.budget.cancel(waiter.reservation)
-                self._give_back()
+                account.meter.cancel(waiter.reservation)
+                self._give_back(account)
             else:
                 self._forget(waiter)
             raise
         if not waiter.granted:
             self._forget(waiter)
             waited = trio.current_time() - now
-            raise (self._budget_timeout(waiter.need, waited)
+            raise (self._budget_timeout(waiter, waited)
                    or self._capacity_error("provider_queue_timeout", waited_s=waited,
                                            priority=priority, client=client))
         ticket.started_at = waiter.granted_at
         ticket.reservation = waiter.reservation
         ticket.token_wait_s = waiter.token_wait_s
         ticket.held_by = waiter.held_by
+        ticket.account = waiter.account
         return ticket
 
-    def _take(self, ticket: Ticket, now: float) -> None:
+    def _take(self, ticket: Ticket, now: float, account: Account) -> None:
         self._borrowed += 1
+        account.borrowed += 1
+        account.started += 1
         self._held_since.append(now)
         ticket.started_at = now
-        self._pacer.add(now)
+        ticket.account = account
+        account.pacer.add(now)
 
     def _unstart(self, waiter: _Waiter) -> None:
         """A grant handed straight back was no start: the pacer forgets it, and its
         client keeps its turn."""
-        self._pacer.remove(waiter.granted_at)
+        assert waiter.account is not None
+        waiter.account.pacer.remove(waiter.granted_at)
+        waiter.account.started -= 1
         self._give_turn_back(waiter)
 
     def _hand_off(self) -> None:
         """Give free slots to the first waiters, as far as the pacer and the token
         budgets allow."""
         now = trio.current_time()
-        while self._borrowed < self._profile.lanes and self._live > 0:
+        while self._borrowed < self._capacity and self._live > 0:
             head = self._head()
             if head is None:
                 return
-            ready = self._ready_at(head, now)
-            if now < ready:
+            account, ready = self._choose(head, now)
+            if account is None or now < ready:
                 # A slot is free but the pacer or a budget says not yet: make sure the
                 # head of the queue sleeps until then (it may be sleeping without a
                 # deadline), so the free slot is not left idle (SPEC L9, L12).
-                if ready > self._next_start and head.head_since is None:
+                if (account is not None and ready > account.next_start()
+                        and head.head_since is None):
                     head.head_since = now  # it waits for tokens, not for a slot
                 head.event.set()
-                passer = self._passer(head, now)
-                if passer is None:
+                found = self._passer(head, now)
+                if found is None:
                     return
+                passer, account = found
                 self._heap.remove(passer)
                 heapq.heapify(self._heap)
-                self._grant(passer, now)
+                self._grant(passer, now, account)
                 continue
-            self._grant(heapq.heappop(self._heap), now)
+            self._grant(heapq.heappop(self._heap), now, account)
 
-    def _passer(self, head: _Waiter, now: float) -> _Waiter | None:
-        """A waiter of another model that may start before a head waiting only for its
-        own model's budgets (SPEC L12a: one model's empty bucket does not slow the
-        others): the first in queue order whose model is not waiting, and that can start
-        now. A head held back by the pacer or the account's budgets is passed by nobody."""
-        if now < self._next_start or not self.budget.active:
+    def _passer(self, head: _Waiter, now: float) -> tuple[_Waiter, Account] | None:
+        """A waiter that may start before a head that waits for reasons of its own
+        (`_waits_for_itself`: its model's budgets, SPEC L12a — one model's empty bucket
+        does not slow the others; its conversation's account, L13): the first in queue
+        order that can start now and whose model is not itself waiting. A head held back
+        by the pacer or an account's budgets is passed by nobody."""
+        if not self._waits_for_itself(head, now):
             return None
         blocked: set[str] = set()
         candidates = sorted(w for w in self._heap if not w.cancelled and not w.granted)
         for waiter in candidates[:_PASS_SCAN]:
+            if waiter is head:
+                continue
             scope = waiter.need.scope if waiter.need is not None else ""
             if scope in blocked:
                 continue
-            if self._ready_at(waiter, now) <= now:
-                return waiter if waiter is not head else None
-            if not self.budget.waits_for_model(waiter.need, now):
+            account, ready = self._choose(waiter, now)
+            if account is not None and ready <= now:
+                return waiter, account
+            if not self._waits_for_itself(waiter, now):
                 return None  # the account's budgets or a hold: nobody passes
-            blocked.add(scope)
+            if waiter.prefer is None and not waiter.avoid:
+                blocked.add(scope)
         return None
 
-    def _grant(self, waiter: _Waiter, now: float) -> None:
-        """Give ``waiter`` (taken off the queue) a slot, its reservation and a start."""
+    def _grant(self, waiter: _Waiter, now: float, account: Account) -> None:
+        """Give ``waiter`` (taken off the queue) a slot of ``account``, its reservation
+        and a start."""
         self._borrowed += 1
+        account.borrowed += 1
+        account.started += 1
         self._held_since.append(now)
         self._live -= 1
         waiter.granted = True
         waiter.granted_at = now
+        waiter.account = account
         self._started_turn(waiter.rank, waiter.tag)
         if waiter.head_since is not None:
             waiter.token_wait_s = now - waiter.head_since
-        if self.budget.active:
-            waiter.reservation = self.budget.reserve(waiter.need)
-        self._pacer.add(now)
+        waiter.reservation = account.meter.reserve(waiter.need)
+        account.pacer.add(now)
         waiter.event.set()
 
     def _forget(self, waiter: _Waiter) -> None:
@@ -576,23 +748,26 @@ class Lane:
             self._heap = [w for w in self._heap if not w.cancelled]
             heapq.heapify(self._heap)
 
-    def _give_back(self) -> None:
+    def _give_back(self, account: Account) -> None:
         self._borrowed -= 1
+        account.borrowed -= 1
         self._hand_off()
         self._maybe_idle()
 
     def _release(self, ticket: Ticket) -> None:
         now = trio.current_time()
         ticket.released_at = now
+        account = ticket.account
+        assert account is not None
         if ticket.reservation is not None and not ticket.reservation.settled:
             need = ticket.reservation.need  # nobody settled it: count it as reserved
-            self.budget.settle(ticket.reservation, need.input, need.output)
+            account.meter.settle(ticket.reservation, need.input, need.output)
         if ticket.started_at is not None:
             self._held_since.remove(ticket.started_at)
             self._holds_seen += 1
             weight = max(0.2, 1.0 / self._holds_seen)
             self._avg_run_s += weight * ((now - ticket.started_at) - self._avg_run_s)
-        self._give_back()
+        self._give_back(account)
 
     def _capacity_error(self, reason: str, waited_s: float | None = None,
                         priority: str = "normal", client: str = "default") -> RelayError:
@@ -615,20 +790,29 @@ class Lane:
                           action=self._capacity_action(reason))
 
 
-    def _budget_timeout(self, need: Need | None, waited_s: float) -> RelayError | None:
+    def _budget_timeout(self, waiter: _Waiter, waited_s: float) -> RelayError | None:
         """A queue timeout while a lane was free and a token budget was not (SPEC L12a):
         it says which budget, what it needs and what is free, and the refill time is its
-        Retry-After. None: the lanes were full, or no budget held it back."""
+        Retry-After; with several accounts, what held each one (SPEC L13). None: the
+        lanes were full, or no budget held it back."""
         head = self._head()
-        need = head.need if head is not None and head.need is not None else need
+        subject = head if head is not None and head.need is not None else waiter
+        need = subject.need
+        now = trio.current_time()
         stats = self.statistics()
-        if need is None or not self.budget.active or stats.running >= stats.capacity:
+        if need is None or stats.running >= stats.capacity:
             return None
-        why = self.budget.waiting_for(need)
+        account, _ = self._choose(subject, now)
+        if account is None:
+            return None
+        why = account.meter.waiting_for(need)
         if why is None:
             return None
-        wait = self.budget.wait_s(need)  # (inf: until the first answer after a hold)
+        wait = account.meter.wait_s(need)  # (inf: until the first answer after a hold)
         refill = max(1.0, wait if math.isfinite(wait) else self.estimate()[0])
+        if len(self.accounts) > 1:
+            why = "; ".join(f"account {a.name!r}: {a.why_not(need, now)}"
+                            for a in self.accounts)
         return RelayError(
             "provider_queue_timeout", f"waited {waited_s:.0f} s for provider {self.name!r}: "
             f"{why} ({stats.running}/{stats.capacity} lanes running). This request was not "
@@ -668,22 +852,25 @@ class _Slot:
     """`Lane.slot`'s context manager: acquire on entry, release on exit, whatever ends the
     body. A class, not ``@asynccontextmanager``: a generator cost more than the lane."""
 
-    __slots__ = ("_client", "_lane", "_leave", "_need", "_on_queued", "_priority", "_probe",
-                 "_step", "_ticket")
+    __slots__ = ("_avoid", "_client", "_lane", "_leave", "_need", "_on_queued", "_prefer",
+                 "_priority", "_probe", "_step", "_ticket")
 
     def __init__(self, lane: Lane, priority: str,
                  on_queued: Callable[[], None] | None, need: Need | None = None,
                  leave_if_held: bool = False, probe: bool = False,
-                 client: str = "default", step: float = 1.0) -> None:
+                 client: str = "default", step: float = 1.0, prefer: str | None = None,
+                 avoid: frozenset[str] = frozenset()) -> None:
         self._lane, self._priority, self._on_queued = lane, priority, on_queued
         self._need, self._leave, self._probe = need, leave_if_held, probe
         self._client, self._step = client, step
+        self._prefer, self._avoid = prefer, avoid
         self._ticket: Ticket | None = None
 
     async def __aenter__(self) -> Ticket:
         self._ticket = await self._lane._acquire(self._priority, self._on_queued,
                                                  self._need, self._leave, self._probe,
-                                                 self._client, self._step)
+                                                 self._client, self._step, self._prefer,
+                                                 self._avoid)
         return self._ticket
 
     async def __aexit__(self, exc_type: type[BaseException] | None,

@@ -66,9 +66,12 @@ class Meter:
     """A provider's (an account's) budgets: see the module docstring."""
 
     def __init__(self, profile: Profile, clock: Callable[[], float],
-                 limits: Mapping[str, ModelLimits] | None = None) -> None:
+                 limits: Mapping[str, ModelLimits] | None = None,
+                 learned: Learned | None = None) -> None:
         self._clock = clock
-        self.learned = Learned()  # the output reservation's percentile, by model
+        # The output reservation's percentile, by model (one for a provider's accounts:
+        # how long a model answers is the model's, not the account's).
+        self.learned = learned if learned is not None else Learned()
         self.account = Budget(profile, clock)
         self.account.on_change = self._changed
         self._models: dict[str, Budget] = {}  # by scope, least recently used first
@@ -158,6 +161,11 @@ class Meter:
     def hold_left(self, now: float | None = None, scope: str | None = None) -> float:
         return max(b.hold_left(now) for b in self.budgets(scope))
 
+    def any_hold_left(self, now: float | None = None) -> float:
+        """The longest hold of the account or any of its models."""
+        return max([self.account.hold_left(now),
+                    *(b.hold_left(now) for b in self._models.values())])
+
     def holder(self, scope: str | None) -> Budget:
         """The budget whose hold lasts longest for ``scope`` (the account's when none)."""
         return max(self.budgets(scope), key=lambda b: b.hold_left())
@@ -169,6 +177,11 @@ class Meter:
         if need is not None and not probe:  # (woken sooner by its model's first answer)
             wait = max(wait, self._gated(need.scope, self._clock() if now is None else now))
         return wait
+
+    def headroom(self, need: Need | None) -> float:
+        """The least share left after ``need`` in the budgets it takes from."""
+        scope = need.scope if need is not None else None
+        return min(b.headroom(need) for b in self.budgets(scope))
 
     def waits_for_model(self, need: Need | None, now: float) -> bool:
         """A start of ``need`` waits only for its own model (its budgets, hold or first

@@ -33,6 +33,7 @@ from relay.vocab.profile import (
     default_state_dir,
 )
 
+from .accounts import load_accounts
 from .clients import ClientConfig, load_clients
 from .routes import best_pattern, check_target, load_routes
 from .schema import COMMON_PROVIDER_KEYS, Config, RouteConfig, ServerConfig, _ProfileTable
@@ -156,7 +157,9 @@ def parse_config(
         raise ConfigError([f"{source}: {p}" for p in problems])
     assert server is not None
     del packaged  # the packaged default never names a records path: it uses the state dir
-    secret_env = _secret_env([server, *(p.settings for p in providers.values()),
+    secret_env = _secret_env([server, *(s for p in providers.values()
+                                        for s in (p.settings, *(a.settings
+                                                                for a in p.accounts))),
                               *clients.values()])
     providers = {name: attrs.evolve(p, max_upstream_bytes=server.max_upstream_bytes,
                                     secret_env=secret_env) for name, p in providers.items()}
@@ -223,11 +226,16 @@ def _load_provider(
     profile = _profile(where, name, kind, adapter, settings, overrides, problems, warnings)
     if profile is None or limits is None or prices is None:
         return None
+    accounts = load_accounts(where, common.get("accounts"), rest, adapter, profile, problems)
+    if accounts is None:
+        return None
+    every = [settings, *(a.settings for a in accounts)]
     return ProviderConfig(
         name=name, adapter=kind, profile=profile, settings=settings, **values, limits=limits,
-        prices=prices,
-        secret_envs=tuple(adapter.secret_envs(settings)),
-        secret_values=tuple(adapter.secret_values(settings)),
+        prices=prices, accounts=accounts,
+        secret_envs=tuple(dict.fromkeys(e for s in every for e in adapter.secret_envs(s))),
+        secret_values=tuple(dict.fromkeys(v for s in every
+                                          for v in adapter.secret_values(s))),
         profile_from_file=frozenset(k for k, val in attrs.asdict(overrides).items()
                                     if val is not None))
 

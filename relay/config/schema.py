@@ -42,6 +42,7 @@ class _ProfileTable:
     otpm: float | None = None
     max_hold_s: float | None = None
     first_starts: int | None = None
+    affinity_wait_s: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -75,7 +76,8 @@ class ServerConfig:
 
 
 COMMON_PROVIDER_KEYS = ("adapter", "models", "prefill", "check_interval_s", "check_model",
-                        "profile", "strict_fields", "shared", "limits", "prices")
+                        "profile", "strict_fields", "shared", "limits", "prices",
+                        "accounts")
 
 
 def _optional_positive(inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:

@@ -187,6 +187,10 @@ class Run:
     left: bool = False
     error: RelayError | None = None
     has_fallback: bool = False  # a later target of the plan may take it (SPEC L12 holds)
+    # SPEC L13: the accounts it must not use (they failed this request), and the one its
+    # lane slot is on ("" for a provider without accounts; None before it has one).
+    avoid: frozenset[str] = frozenset()
+    account: str | None = None
 
     @property
     def changed(self) -> trio.Event:

@@ -124,10 +124,8 @@ class Dispatcher:
                 # record, the log): a request stopped before it began shows no attempt.
                 await eager.send(out, AttemptStarted(target.name, sent.any, admitted.ignored))
                 self._note_fallback(target, attempt_no, last)
-                run = await self._attempt(nursery, out, target, call, sent, deadline)
-                if metering.wait_out(self, target, run.error, sent):  # (once: L12)
-                    await eager.send(out, AttemptStarted(target.name, False, admitted.ignored))
-                    run = await self._attempt(nursery, out, target, call, sent, deadline)
+                run = await self._attempt_on(nursery, out, target, call, sent, deadline,
+                                             admitted.ignored)
                 if run.error is None:
                     return None
                 last = run.error
@@ -198,14 +196,33 @@ class Dispatcher:
             error = original
         tried = self.record.attempts
         if len(tried) > 1:
-            summary = "; ".join(f"{a.role} {a.provider}/{a.model}: {a.failure or 'ok'}"
-                                for a in tried)
+            summary = "; ".join(f"{a.role} {a.provider}/{a.model}"
+                                + (f" (account {a.account})" if a.account else "")
+                                + f": {a.failure or 'ok'}" for a in tried)
             error = error.with_message(f"{error.message} (attempts: {summary})")
         return error
 
+    async def _attempt_on(self, nursery: trio.Nursery, out: trio.MemorySendChannel[Any],
+                          target: Target, call: Call, sent: Delivered, deadline: float,
+                          ignored: tuple[str, ...]) -> Run:
+        """An attempt on ``target``; a failure of its account's moves to another account
+        of the provider at once (SPEC L13: a same-target retry, F3) while one is left and
+        time is; a 429 that set a hold is waited out once when it must be (L12)."""
+        run = await self._attempt(nursery, out, target, call, sent, deadline)
+        while (avoid := metering.moves(run, deadline, self.record.id)) is not None:
+            if (moved := self._call_for(target, sent)) is None:
+                break
+            call = attrs.evolve(moved, params=call.params, inbound=call.inbound)
+            await eager.send(out, AttemptStarted(target.name, sent.any, ignored))
+            run = await self._attempt(nursery, out, target, call, sent, deadline, avoid)
+        if metering.wait_out(self, target, run.error, sent):  # (once: L12)
+            await eager.send(out, AttemptStarted(target.name, False, ignored))
+            run = await self._attempt(nursery, out, target, call, sent, deadline, run.avoid)
+        return run
+
     async def _attempt(self, nursery: trio.Nursery, out: trio.MemorySendChannel[Any],
                        target: Target, call: Call, sent: Delivered,
-                       budget_deadline: float) -> Run:
+                       budget_deadline: float, avoid: frozenset[str] = frozenset()) -> Run:
         now = trio.current_time()
         record = Attempt(provider=target.provider.name, model=target.model, role=target.role,
                          started=now)
@@ -213,7 +230,7 @@ class Dispatcher:
         self.record.provider, self.record.model = target.provider.name, target.model
         sink = AttemptSink(out, wake=(changes := Changes()).poke)  # shared: not a cycle
         sink.pieces, sink.other_output = [sent.text], sent.other_output
-        run = Run(target, call, sink, record, changes)
+        run = Run(target, call, sink, record, changes, avoid=avoid)
         self.runs.append(run)
         target.provider.track(run, self.record, self.priority)  # listed in the status
         own = self.plan.timeout_for(target)
@@ -231,7 +248,7 @@ class Dispatcher:
             if run.finished_at is None and trio.current_time() >= when and self._expired(
                     run, reason):
                 run.left = True
-                run.error = self._timeout(run, reason, own, budget_deadline)
+                run.error = self.plan.timeout_error(reason, run.target, own)
                 run.record.failure = run.error.reason
                 run.stopped_at = when
                 run.scope.cancel()          # its cleanup goes on beside what comes next
@@ -250,7 +267,8 @@ class Dispatcher:
         if self.stream:  # a plain answer reaches the client only at the end
             sent.text, sent.other_output = sink.text, sink.other_output
         self._log(run)
-        target.provider.observe(run.error)  # SPEC H5: real traffic keeps the state honest
+        # SPEC H5: real traffic keeps the state honest (its account's too: L13)
+        target.provider.observe(run.error, run.account)
         return run
 
     def _next_limit(self, run: Run, sink: AttemptSink, own_deadline: float,
@@ -290,30 +308,6 @@ class Dispatcher:
                     and trio.current_time() >= last + route.stall_timeout_s)
         return True
 
-    def _timeout(self, run: Run, reason: str, own: float | None,
-                 budget_deadline: float) -> RelayError:
-        name = run.target.name
-        provider = run.target.provider.name
-        route = self.plan.route
-        if reason == "attempt_timeout":
-            said = f"{name} did not answer within its attempt timeout of {own:g} s"
-        elif reason == "budget_exhausted":
-            said = (f"route {route.name if route else ''!r} ran out of its "
-                    f"{route.total_budget_s() if route else 0:g} s budget while {name} "
-                    "was answering")
-        elif reason == "run_timeout":
-            limit = run.target.provider.config.profile.run_timeout_s
-            said = (f"provider {provider!r} did not finish within its run timeout of "
-                    f"{limit:g} s ([providers.{provider}.profile] run_timeout_s)")
-        elif reason == "first_token_timeout":
-            said = (f"{name} sent no first token within {route.first_token_timeout_s:g} s "
-                    if route else "")
-        else:
-            said = (f"{name} stalled: no token for {route.stall_timeout_s:g} s" if route
-                    else "")
-        return RelayError(reason, f"{said.rstrip()}; it was stopped", provider=provider,
-                          action=self.plan.timeout_action(reason, run.target))
-
     async def _run_attempt(self, run: Run) -> None:
         """One attempt's task: lane slot, run-timeout scope, adapter. Its outcome is
         written into ``run``; the dispatcher may have moved on long before it ends."""
@@ -328,13 +322,18 @@ class Dispatcher:
         try:
             # The attempt holds its adapter from before it queues until its lane slot is
             # back: a reload that retires the adapter closes it only after that.
-            with run.scope, provider.handle.use() as adapter:
+            handle = provider.handle
+            with run.scope, handle.use():
                 gate = self.relay.clients.gate(self.client)  # SPEC L14: its gate first
                 async with gate.enter_call(run.call, provider.config.profile.queue_timeout_s,
                                            lambda: notices.queued(run, gate.statistics),
                                            self.record, lambda: run.sink.usage), \
                         metering.slot(self, run, lambda: notices.queued(run)) as ticket:
                     notices.drop(run)  # it waits no more
+                    # SPEC L13: the account its slot is on runs it, with that one's adapter.
+                    run.account = ticket.account_name
+                    run.record.account = self.record.account = ticket.account_name or None
+                    adapter = handle.for_account(ticket.account_name)
                     self.record.queue_ms = round((self.record.queue_ms or 0.0)
                                                  + ticket.queue_s * 1000, 3)
                     # The run timeout is one of the deadlines the dispatcher watches: at

@@ -13,7 +13,9 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+import attrs
 import trio
 
 from relay.api.adapter import Adapter
@@ -109,12 +111,18 @@ class Engine:
                                "restart (relay started without a coordination server)",
                                config.name)
             lane = Lane(config.name, config.profile, expected_run_s=expected,
-                        limits=config.limits)
+                        limits=config.limits, accounts=config.account_profiles())
         return Provider(config=config, handle=handle, lane=lane, models=list(config.models))
 
     async def _open_adapter(self, config: ProviderConfig) -> AdapterHandle:
-        """Each adapter lives in a task of relay's own nursery (`AdapterHandle.hold`)."""
-        handle = AdapterHandle(self.registry[config.adapter](config))
+        """Each adapter lives in a task of relay's own nursery (`AdapterHandle.hold`):
+        one per account (SPEC L13: its key, base URL, CLI login; its pool or warm
+        processes), the first also the provider's."""
+        kind = self.registry[config.adapter]
+        accounts = {a.name: kind(attrs.evolve(config, settings=a.settings, profile=a.profile))
+                    for a in config.accounts}
+        first = next(iter(accounts.values())) if accounts else kind(config)
+        handle = AdapterHandle(first, accounts=accounts)
         await self.nursery.start(handle.hold)
         return handle
 
@@ -244,9 +252,11 @@ class Engine:
                                f"{b.queue_timeout_s:g}, run_timeout_s {a.run_timeout_s:g}→"
                                f"{b.run_timeout_s:g}, rpm {a.rpm:g}→{b.rpm:g})")
                 current.lane.update_profile(pconf.profile)
-            if old.limits != pconf.limits and isinstance(current.lane, Lane):
-                changes.append(f"provider {name}: models' limits changed")
-                current.lane.update_profile(pconf.profile, pconf.limits)
+            if isinstance(current.lane, Lane) and (old.limits != pconf.limits
+                                                   or old.accounts != pconf.accounts):
+                changes.append(f"provider {name}: models' limits or accounts changed")
+                current.lane.update_profile(pconf.profile, pconf.limits,
+                                            pconf.account_profiles())
             if pconf.shared != old.shared:
                 changes.append(f"provider {name}: shared takes effect at the next restart")
             if pconf.models_configured:
@@ -363,7 +373,8 @@ def _identity(path: Path) -> tuple[int, int, int, int] | None:
 def _needs_new_adapter(old: ProviderConfig, new: ProviderConfig) -> bool:
     """Adapters size what they hold (pools, warm processes) and their stop grace from the
     profile: a change there, as in the settings, needs a new adapter."""
-    return ((old.adapter, old.settings, old.profile.lanes, old.profile.interrupt_grace_s,
-             old.max_upstream_bytes, old.secret_env)
-            != (new.adapter, new.settings, new.profile.lanes, new.profile.interrupt_grace_s,
-                new.max_upstream_bytes, new.secret_env))
+    def sizes(c: ProviderConfig) -> tuple[Any, ...]:
+        return (c.adapter, c.settings, c.profile.lanes, c.profile.interrupt_grace_s,
+                c.max_upstream_bytes, c.secret_env,
+                tuple((a.name, a.settings, a.profile.lanes) for a in c.accounts))
+    return sizes(old) != sizes(new)

@@ -45,14 +45,15 @@ from relay.shared.budget import SharedBudget
 from relay.shared.lane import SharedLane
 from relay.vocab.errors import RelayError
 from relay.vocab.limits import RateLimits
-from relay.vocab.records import Attempt, Record
+from relay.vocab.records import Record
 
 from .attempt import Delivered, Run
 from .needs import conversation_of, need_of, skips_cache_reads
 from .plan import Plan, Target
 from .providers import Provider
 
-__all__ = ["Attempting", "count_wait", "run", "slot", "wait_out"]
+__all__ = ["ACCOUNT_FAILURES", "Attempting", "count_wait", "moves", "run", "slot",
+           "wait_out"]
 
 logger = logging.getLogger("relay.dispatch")
 
@@ -85,10 +86,14 @@ def slot(dispatcher: Attempting, run_: Run, on_queued: Callable[[], None]
                             probe=dispatcher.record.route == "(check)")
     if not isinstance(lane, Lane):
         return lane.slot(priority, on_queued=on_queued)
+    prefer = None
+    if len(lane.accounts) > 1:  # SPEC L13: its conversation's account, if one served it
+        prefer = run_.target.provider.affinity.get(conversation_of(run_.call))
     return lane.slot(priority, client=dispatcher.client, weight=dispatcher.client_weight,
                      on_queued=on_queued, need=need_of(run_, lane.budget.learned),
                      leave_if_held=run_.has_fallback,
-                     probe=dispatcher.record.route == "(check)")
+                     probe=dispatcher.record.route == "(check)", prefer=prefer,
+                     avoid=run_.avoid)
 
 
 @asynccontextmanager
@@ -165,14 +170,15 @@ async def _shielded(fn: Callable[[], Any], lane: SharedLane) -> None:
                            exc.message)
 
 
-def _limits_seen(lane: Lane, attempt: Attempt, provider: Provider, scope: str,
-                 own: Reservation | None, limits: RateLimits) -> None:
-    """A 200's rate-limit headers for model ``scope`` (an attempt begun after a hold
-    began: it has lifted), read against the moment it started upstream (SPEC L12a)."""
+def _limits_seen(lane: Lane, ticket: Ticket, provider: Provider, scope: str,
+                 limits: RateLimits) -> None:
+    """A 200's rate-limit headers for model ``scope`` at the ticket's account (an attempt
+    begun after a hold began: it has lifted), read against the moment it started upstream
+    (SPEC L12a, L13)."""
     said_unusable(provider, limits)
-    lane.observe(limits, scope=scope,
-                 started_at=own.at if own is not None else None, ok=True,
-                 own=own)
+    own = ticket.reservation
+    lane.observe(limits, scope=scope, started_at=own.at if own is not None else None,
+                 ok=True, own=own, account=ticket.account)
 
 
 def said_unusable(provider: Provider, limits: RateLimits | None) -> None:
@@ -208,19 +214,18 @@ async def run(adapter: Adapter, lane: LaneLike, ticket: Ticket, run_: Run,
     if not isinstance(lane, Lane):
         await adapter.run(run_.call, run_.sink)
         return
-    # (Over the attempt's record, not the run: the sink is the run's, no cycle.)
     scope = scope_of(run_.call.model)
-    run_.sink.on_limits = functools.partial(_limits_seen, lane, run_.record,
-                                            run_.target.provider, scope,
-                                            ticket.reservation)
+    run_.sink.on_limits = functools.partial(_limits_seen, lane, ticket,
+                                            run_.target.provider, scope)
     try:
         await adapter.run(run_.call, run_.sink)
     except RelayError as exc:
         bound_error(exc, run_.target.provider, lane.profile.max_hold_s)
-        # a hold stops the next start
+        # a hold stops the next start (on its account: SPEC L13)
         own = ticket.reservation
         lane.observe(exc.limits, reason=exc.reason, own=own, scope=scope,
-                     started_at=own.at if own is not None else ticket.started_at)
+                     started_at=own.at if own is not None else ticket.started_at,
+                     account=ticket.account)
         settle(lane, ticket, run_, record, exc)
         raise
     finally:
@@ -298,6 +303,9 @@ def settle(lane: Lane, ticket: Ticket, run_: Run, record: Record,
     used_in, used_out = used_of(run_, reservation, error)
     reported = usage is not None and usage.prompt_tokens is not None
     learn(lane.budget.learned, run_, error, reservation.need)
+    if error is None and usage is not None and len(lane.accounts) > 1:
+        # SPEC L13: its conversation's next turn prefers the account that served it.
+        run_.target.provider.served(conversation_of(run_.call), ticket.account_name)
     estimated = not reported and not (error is not None and used_in == used_out == 0)
     lane.settle(ticket, used_in, used_out)
     note(record, reservation, used_in, used_out, estimated)
@@ -329,6 +337,28 @@ def count_wait(ticket: Ticket, record: Record) -> None:
                                      + ticket.token_wait_s * 1000, 3)
     if ticket.held_by is not None:
         record.held_by = ticket.held_by
+
+
+# SPEC L13: the failures that are an account's, not the request's: another account of the
+# same provider is tried at once.
+ACCOUNT_FAILURES = frozenset({"rate_limited", "quota_exhausted", "auth_required"})
+
+
+def moves(run_: Run, deadline: float, request_id: str) -> frozenset[str] | None:
+    """The accounts to avoid when the attempt's failure was its account's — a rate limit,
+    a quota or usage window, a refused key (SPEC L13) — and another account of the
+    provider is left to try in time; else None."""
+    error, lane = run_.error, run_.target.provider.lane
+    if (error is None or error.reason not in ACCOUNT_FAILURES or not run_.account
+            or not isinstance(lane, Lane) or trio.current_time() >= deadline):
+        return None
+    avoid = run_.avoid | {run_.account}
+    if not lane.others(avoid):
+        return None
+    logger.info("account_moved request=%s target=%s from=%s reason=%s: another account of "
+                "the provider takes it", request_id, run_.target.name, run_.account,
+                error.reason)
+    return avoid
 
 
 def wait_out(dispatcher: Attempting, target: Target, error: RelayError | None,

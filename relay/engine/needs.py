@@ -60,11 +60,15 @@ def skips_cache_reads(provider: Provider) -> bool:
 
 
 def conversation_of(call: Call) -> str:
-    """The conversation a call continues: the client's own cache key where it sends one,
-    else a digest of its system prompt and first message (SPEC L12a, L13)."""
+    """The conversation a call continues: the client's own marker where it sends one (its
+    ``prompt_cache_key``, a session header, Messages' ``metadata.user_id``), else a digest
+    of its system prompt and first message (SPEC L12a, L13)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(scope_of(call.model).encode())
-    key = call.params.get("prompt_cache_key")
+    key = call.params.get("prompt_cache_key") or call.inbound.session
+    body = call.inbound.body
+    if not key and body is not None and isinstance(body.get("metadata"), dict):
+        key = body["metadata"].get("user_id")
     if isinstance(key, str) and key:
         digest.update(b"\0key\0" + key.encode())
         return digest.hexdigest()

@@ -55,6 +55,29 @@ class Plan:
             return self.route.primary_timeout_s
         return self.route.fallback_timeout_s
 
+    def timeout_error(self, reason: str, target: Target, own: float | None) -> RelayError:
+        """The failure of an attempt on ``target`` stopped at one of its deadlines
+        (``own``: its attempt timeout)."""
+        name, provider, route = target.name, target.provider.name, self.route
+        if reason == "attempt_timeout":
+            said = f"{name} did not answer within its attempt timeout of {own:g} s"
+        elif reason == "budget_exhausted":
+            said = (f"route {route.name if route else ''!r} ran out of its "
+                    f"{route.total_budget_s() if route else 0:g} s budget while {name} "
+                    "was answering")
+        elif reason == "run_timeout":
+            limit = target.provider.config.profile.run_timeout_s
+            said = (f"provider {provider!r} did not finish within its run timeout of "
+                    f"{limit:g} s ([providers.{provider}.profile] run_timeout_s)")
+        elif reason == "first_token_timeout":
+            said = (f"{name} sent no first token within {route.first_token_timeout_s:g} s "
+                    if route else "")
+        else:
+            said = (f"{name} stalled: no token for {route.stall_timeout_s:g} s" if route
+                    else "")
+        return RelayError(reason, f"{said.rstrip()}; it was stopped", provider=provider,
+                          action=self.timeout_action(reason, target))
+
     def timeout_action(self, reason: str, target: Target) -> str:
         """What to do about a timeout of ``target`` (issue 15): the limit that fired, its
         value and where it is set; a limit is raised only if calls really take that long."""

@@ -30,6 +30,7 @@ Its attempts in flight (queued, running, stopping) are listed in the status
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import weakref
@@ -41,7 +42,7 @@ import trio
 from relay.api.adapter import Adapter
 from relay.capacity.estimate import InputRatio
 from relay.capacity.lane_api import LaneLike
-from relay.capacity.lanes import PRIORITIES
+from relay.capacity.lanes import PRIORITIES, Lane
 from relay.capacity.meter import Conversations, Meter, scope_of
 from relay.vocab import redact
 from relay.vocab.errors import RelayError
@@ -55,6 +56,7 @@ logger = logging.getLogger(__name__)
 DISCOVERY_TIMEOUT_S = 3.0
 DISCOVERY_MIN_INTERVAL_S = 15.0
 MAX_LISTED_REQUESTS = 100  # attempts in flight listed per provider in the status
+AFFINITY_MAX = 4096  # conversations whose account is remembered (SPEC L13)
 
 # SPEC H5: what a real request's outcome does to its provider's state (module docstring).
 TRAFFIC_WARNS = frozenset({"quota_exhausted", "rate_limited"})
@@ -74,7 +76,9 @@ class InFlight(Protocol):
 class AdapterHandle:
     """One opened adapter and the attempts inside it. See the module docstring."""
 
-    adapter: Adapter
+    adapter: Adapter  # the provider's (its first account's, SPEC L13)
+    # SPEC L13: each account's own adapter, by account name (none: the provider is one).
+    accounts: dict[str, Adapter] = attrs.field(factory=dict)
     _close: trio.Event = attrs.field(factory=trio.Event)  # set: its holder task closes it
     attempts: int = 0
     retiring: bool = False
@@ -114,9 +118,17 @@ class AdapterHandle:
         """The adapter's life, as one task of relay's own nursery: whatever it holds (an
         HTTP pool, warm CLI processes with a nursery of their own) is opened and closed by
         this task — when it is retired and empty, or when relay stops."""
-        async with self.adapter:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(self.adapter)
+            for adapter in self.accounts.values():
+                if adapter is not self.adapter:
+                    await stack.enter_async_context(adapter)
             task_status.started()
             await self._close.wait()
+
+    def for_account(self, name: str) -> Adapter:
+        """The adapter of account ``name`` (the provider's own for ``""``)."""
+        return self.accounts.get(name, self.adapter)
 
 
 @attrs.define(eq=False)
@@ -140,6 +152,8 @@ class Provider:
         factory=lambda: Conversations(trio.current_time))
     # SPEC L12: what the provider counts of relay's estimate, per model and script.
     input_ratio: InputRatio = attrs.field(factory=InputRatio)
+    # SPEC L13: the account that last served each conversation (least recent first).
+    affinity: dict[str, str] = attrs.field(factory=dict)
     # Attempts in flight → (request id, route, priority, client); see `track`.
     _in_flight: weakref.WeakKeyDictionary[InFlight, tuple[str, str | None, str, str]] = (
         attrs.field(factory=weakref.WeakKeyDictionary))
@@ -174,10 +188,42 @@ class Provider:
             except RelayError as exc:
                 logger.debug("model discovery for %s failed: %s", self.name, exc.message)
 
-    def observe(self, error: RelayError | None) -> None:
+    def served(self, conversation: str, account: str) -> None:
+        """SPEC L13: ``account`` answered ``conversation``: its next turn prefers it."""
+        self.affinity.pop(conversation, None)
+        while len(self.affinity) >= AFFINITY_MAX:
+            del self.affinity[next(iter(self.affinity))]
+        self.affinity[conversation] = account
+
+    def observe(self, error: RelayError | None, account: str | None = None) -> None:
         """SPEC H5: one attempt of a real request has ended (``error`` None: answered);
         its outcome keeps the state honest (the module docstring has the table). A
-        check's own attempt comes here too; the check then applies its own rules."""
+        check's own attempt comes here too; the check then applies its own rules.
+
+        With several accounts (SPEC L13) an account that failed leaves the choice a while
+        (`relay.capacity.account`); the provider is failing only when every one is out,
+        else connected with a warning naming the account."""
+        lane = self.lane
+        if (account is not None and isinstance(lane, Lane) and len(lane.accounts) > 1
+                and (found := lane.account(account)) is not None):
+            if error is None:
+                lane.account_answered(found)
+                now = trio.current_time()
+                out = [a for a in lane.accounts if not a.usable(now)]
+                self.state, self.state_reason, self.seen_at = "connected", None, now
+                self.warning = "; ".join(
+                    f"account {a.name!r}: {a.out_message} — it is out of the choice for "
+                    "a while; the other accounts serve" for a in out) or None
+                return
+            if error.reason in TRAFFIC_FAILS:
+                lane.account_failed(found, error.reason, error.message)
+                now = trio.current_time()
+                if any(a.usable(now) for a in lane.accounts):
+                    self.state, self.state_reason = "connected", None
+                    self.warning = (f"account {account!r}: {error.message} — it is out of "
+                                    "the choice for a while; the other accounts serve")
+                    self.seen_at = now
+                    return
         if error is None:
             self.state, self.state_reason, self.warning = "connected", None, None
         elif error.reason in TRAFFIC_WARNS or error.reason in TRAFFIC_FAILS:
@@ -254,7 +300,23 @@ class Provider:
             # SPEC L12: each budget (limit, remaining, configured or the provider's
             # header, and when), the tokens used per minute, the hold and its cause.
             "budgets": self.budgets(clock),
+            # SPEC L13: each account's lanes, budgets, hold and state (none: one).
+            **({"accounts": self.accounts(clock)} if self.config.accounts else {}),
         })
+
+    def accounts(self, clock: Clock) -> list[dict[str, Any]]:
+        """Each account's entry (SPEC L13): its state, lanes, starts and budgets."""
+        lane = self.lane
+        if not isinstance(lane, Lane):
+            return [{"name": a.name} for a in self.config.accounts]
+        now = trio.current_time()
+        listed = []
+        for account in lane.accounts:
+            entry = account.status(clock.iso, now)
+            for model, figures in entry["budgets"].get("models", {}).items():
+                figures["estimate"] = self.input_ratio.status(model)
+            listed.append(entry)
+        return listed
 
     def budgets(self, clock: Clock | None = None) -> dict[str, Any] | None:
         """The provider's token budgets and hold (None: a shared lane, which has none

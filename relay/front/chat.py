@@ -99,7 +99,17 @@ def inbound_of(exchange: Exchange, inbound: Inbound) -> Inbound:
     it (``anthropic-version``, ``anthropic-beta``: SPEC A6)."""
     names: tuple[str, ...] = getattr(exchange.dialect, "passed_headers", ())
     headers = {n: v for n in names if (v := header(exchange.scope, n.encode())) is not None}
+    session = next((v for n in SESSION_HEADERS
+                    if (v := header(exchange.scope, n)) is not None and v), None)
+    if session is not None:
+        inbound = attrs.evolve(inbound, session=session[:256])
     return attrs.evolve(inbound, headers=headers) if headers else inbound
+
+
+# SPEC L13: the headers a client names its conversation by (relay's own, then Codex's and
+# Claude Code's), for a conversation's account; never sent upstream.
+SESSION_HEADERS = (b"x-relay-session", b"session_id", b"x-claude-code-session-id",
+                   b"conversation_id")
 
 
 def prompt_chars(messages: list[dict[str, Any]]) -> int:

@@ -193,29 +193,59 @@ def _budget_families(relay: Engine) -> Iterator[Metric]:
     limit = GaugeMetricFamily("relay_token_budget_limit", "A provider's budget per "
                               "minute (budget: requests, tokens, input, output; source: "
                               "configured or header; model: the model's own budget, \"\" the "
-                              "account's)", labels=["provider", "model", "budget", "source"])
+                              "account's; account: \"\" for a provider without accounts)",
+                              labels=["provider", "account", "model", "budget", "source"])
     remaining = GaugeMetricFamily("relay_token_budget_remaining", "What relay counts as "
                                   "left of the budget now",
-                                  labels=["provider", "model", "budget"])
+                                  labels=["provider", "account", "model", "budget"])
     used = GaugeMetricFamily("relay_tokens_last_minute", "Tokens used at the provider in "
                              "the last minute", labels=["provider"])
     hold = GaugeMetricFamily("relay_provider_hold_seconds", "Seconds left of the "
-                             "provider's hold on every start of the model (\"\": of every "
-                             "model; 0: none)", labels=["provider", "model"])
+                             "provider's (account's) hold on every start of the model "
+                             "(\"\": of every model; 0: none)",
+                             labels=["provider", "account", "model"])
     for name, provider in relay.providers.items():
         status = provider.budgets()
         if status is None:
             continue
-        # SPEC L12a: the account's budgets (model "") and each model's own.
-        for model, figures_of in (("", status), *status.get("models", {}).items()):
-            for kind, figures in figures_of["budgets"].items():
-                limit.add_metric([name, model, kind, figures["source"]],
-                                 figures["limit_per_minute"])
-                remaining.add_metric([name, model, kind], figures["remaining"])
-            hold.add_metric([name, model],
-                            figures_of["hold"]["left_s"] if figures_of["hold"] else 0.0)
+        # SPEC L13: each account's (one, "", without accounts); L12a: the account's
+        # budgets (model "") and each model's own.
+        accounts = [(a["name"], a["budgets"]) for a in provider.accounts(relay.clock)
+                    ] if provider.config.accounts else [("", status)]
+        for account, budgets in accounts:
+            for model, figures_of in (("", budgets), *budgets.get("models", {}).items()):
+                for kind, figures in figures_of["budgets"].items():
+                    limit.add_metric([name, account, model, kind, figures["source"]],
+                                     figures["limit_per_minute"])
+                    remaining.add_metric([name, account, model, kind],
+                                         figures["remaining"])
+                hold.add_metric([name, account, model],
+                                figures_of["hold"]["left_s"] if figures_of["hold"] else 0.0)
         used.add_metric([name], status["used_last_minute"])
     yield from (limit, remaining, used, hold)
+    yield from _account_families(relay)
+
+
+def _account_families(relay: Engine) -> Iterator[Metric]:
+    """SPEC L13: each account's lanes and state (providers with accounts)."""
+    from prometheus_client.core import GaugeMetricFamily
+    labels = ["provider", "account"]
+    running = GaugeMetricFamily("relay_account_running", "Requests on the account's "
+                                "lane slots", labels=labels)
+    capacity = GaugeMetricFamily("relay_account_capacity", "The account's lane slots",
+                                 labels=labels)
+    state = GaugeMetricFamily("relay_account_state", "1 for the account's current state "
+                              "(ok, held, out)", labels=[*labels, "state"])
+    for name, provider in relay.providers.items():
+        if not provider.config.accounts:
+            continue
+        for account in provider.accounts(relay.clock):
+            running.add_metric([name, account["name"]], account.get("running", 0))
+            capacity.add_metric([name, account["name"]], account.get("capacity", 0))
+            for each in ("ok", "held", "out"):
+                state.add_metric([name, account["name"], each],
+                                 1.0 if account.get("state") == each else 0.0)
+    yield from (running, capacity, state)
 
 
 class _LiveCollector:

@@ -35,7 +35,7 @@ class Inbound:
     (relay's own fields removed) and the headers of its dialect (``anthropic-beta``), for
     a provider that speaks that dialect: it gets them unchanged. turns: how many of the
     call's messages that body's conversation makes (a continuation relay adds, SPEC F8,
-    comes after them).
+    comes after them). session: the client's marker of its conversation, if it sent one.
     """
 
     dialect: str = "openai"
@@ -44,6 +44,9 @@ class Inbound:
     body: dict[str, Any] | None = None
     headers: dict[str, str] = attrs.field(factory=dict)
     turns: int = 0
+    # The client's own marker of its conversation (SPEC L13: a ``session_id`` header,
+    # ``X-Relay-Session``, Claude Code's session header): never sent upstream.
+    session: str | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -21,9 +21,20 @@ from attrs import validators as v
 
 from .prices import Price
 
-__all__ = ["MAX_UPSTREAM_BYTES", "PROFILE_FIELDS", "REQUIRED_PROFILE_FIELDS", "ModelLimits",
-           "Profile", "ProviderConfig", "default_state_dir", "is_loopback_host", "not_negative",
-           "positive"]
+__all__ = [
+    "ACCOUNT_PROFILE_KEYS",
+    "MAX_UPSTREAM_BYTES",
+    "PROFILE_FIELDS",
+    "REQUIRED_PROFILE_FIELDS",
+    "AccountConfig",
+    "ModelLimits",
+    "Profile",
+    "ProviderConfig",
+    "default_state_dir",
+    "is_loopback_host",
+    "not_negative",
+    "positive",
+]
 
 
 # SPEC O5: the most a non-streamed upstream body may hold (after decompression), and the
@@ -55,6 +66,8 @@ class Profile:
     that names its reset may hold up to a day). first_starts: until a model has been
     answered once, at most this many of its requests run at once (its first answer's
     headers tell its limits; 0 = no such wait: local servers, CLI tools).
+    affinity_wait_s: with several accounts (SPEC L13), how long a conversation waits for
+    the account that served it last before it starts on another.
     """
 
     lanes: int = attrs.field(validator=v.ge(1))
@@ -68,6 +81,7 @@ class Profile:
     otpm: float = attrs.field(default=0.0, validator=not_negative)
     max_hold_s: float = attrs.field(default=900.0, validator=positive)
     first_starts: int = attrs.field(default=0, validator=v.ge(0))
+    affinity_wait_s: float = attrs.field(default=2.0, validator=not_negative)
 
 
 @attrs.frozen(kw_only=True)
@@ -85,6 +99,20 @@ PROFILE_FIELDS = tuple(a.name for a in attrs.fields(Profile))
 REQUIRED_PROFILE_FIELDS = tuple(
     a.name for a in attrs.fields(Profile) if a.default is attrs.NOTHING
 )
+
+
+ACCOUNT_PROFILE_KEYS = ("lanes", "rpm", "tpm", "itpm", "otpm", "max_hold_s", "first_starts")
+
+
+@attrs.frozen(kw_only=True)
+class AccountConfig:
+    """One of a provider's accounts (SPEC L13, ``[[providers.NAME.accounts]]``): its
+    adapter settings (the provider's with the account's key, base URL, headers or CLI
+    environment laid over them) and its profile (the provider's with its own figures)."""
+
+    name: str
+    settings: Any = attrs.field(repr=False)
+    profile: Profile
 
 
 @attrs.frozen(kw_only=True)
@@ -118,6 +146,13 @@ class ProviderConfig:
     limits: Mapping[str, ModelLimits] = attrs.field(factory=dict)
     # SPEC O7: ``[providers.NAME.prices."MODEL"]``, over the packaged price table.
     prices: Mapping[str, Price] = attrs.field(factory=dict)
+    # SPEC L13: ``[[providers.NAME.accounts]]``; none: the provider is its one account.
+    accounts: tuple[AccountConfig, ...] = ()
+
+    def account_profiles(self) -> list[tuple[str, Profile]]:
+        """(name, profile) of each account: ``("", profile)`` without accounts."""
+        return ([(a.name, a.profile) for a in self.accounts] if self.accounts
+                else [("", self.profile)])
 
 
 

@@ -118,6 +118,7 @@ class Attempt:
     # SPEC L11: a shared slot whose release never reached the coordination server (or
     # found its lease already expired): the server took it back only at the lease's end.
     lease_expired: bool = False
+    account: str | None = None  # SPEC L13: the provider's account it ran on (None: one)
 
 
 @attrs.define(kw_only=True)
@@ -128,6 +129,7 @@ class Record:
     endpoint: str | None = None  # the request's path (/v1/embeddings, a path not served …)
     route: str | None = None
     provider: str | None = None
+    account: str | None = None  # SPEC L13: the account of the provider that answered
     model: str | None = None
     priority: str = "normal"
     client: str = "default"  # SPEC L14: the client the token named (never the token)
@@ -167,7 +169,8 @@ class Record:
             {"provider": a.provider, "model": a.model, "role": a.role, "ok": a.ok,
              "duration_ms": a.duration_ms, "failure": a.failure,
              "released_at": clock.iso(a.released_at),
-             **({"lease_expired": True} if a.lease_expired else {})}
+             **({"lease_expired": True} if a.lease_expired else {}),
+             **({"account": a.account} if a.account else {})}
             for a in self.attempts
         ]
         if not self.skipped_events:

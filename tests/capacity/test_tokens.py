@@ -347,12 +347,12 @@ async def test_status_metrics_and_page_show_each_budget_its_source_and_the_hold(
         assert budgets["hold"]["cause"] == "retry-after: 120"
         assert 100 < budgets["hold"]["left_s"] <= 120
         metrics = (await client.get(f"{served.url}/metrics")).text
-        assert ('relay_token_budget_limit{budget="input",model="",provider="p",'
+        assert ('relay_token_budget_limit{account="",budget="input",model="",provider="p",'
                 'source="configured"} 2000.0') in metrics
-        assert ('relay_token_budget_limit{budget="input",model="m-out10",provider="p",'
-                'source="header"} 3000.0') in metrics
+        assert ('relay_token_budget_limit{account="",budget="input",model="m-out10",'
+                'provider="p",source="header"} 3000.0') in metrics
         assert f'relay_tokens_used_total{{provider="p"}} {sum(fake.prompts) + 30}.0' in metrics
-        assert 'relay_provider_hold_seconds{model="",provider="p"} 1' in metrics
+        assert 'relay_provider_hold_seconds{account="",model="",provider="p"} 1' in metrics
         async with open_browser(tmp_path) as browser:
             await browser.get(served.url + "/")
             bars = await browser.wait_for(

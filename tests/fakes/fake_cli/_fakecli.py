@@ -68,6 +68,19 @@ def log(**fields: Any) -> None:
             f.write(json.dumps(fields) + "\n")
 
 
+def login_scenario(variable: str) -> str | None:
+    """The scenario a logged-in configuration forces (SPEC L13: one login's behaviour):
+    the text of ``$VARIABLE/scenario``, if that file exists. Every turn logs the login."""
+    home = os.environ.get(variable)
+    if not home:
+        return None
+    try:
+        with open(os.path.join(home, "scenario"), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def read(path: str) -> str:
     with open(path, encoding="utf-8") as f:
         return f.read()
@@ -206,7 +219,7 @@ CLAUDE_SUCCESS_NOTICES = {  # success-marked results that are really failures (S
 class Claude:
     def __init__(self, argv: list[str]) -> None:
         self.argv = argv
-        self.scenario = opt(argv, "--model") or "ok"
+        self.scenario = login_scenario("CLAUDE_CONFIG_DIR") or opt(argv, "--model") or "ok"
         self.session = opt(argv, "--input-format") == "stream-json"
         path = opt(argv, "--system-prompt-file")
         self.system = read(path) if path else opt(
@@ -231,7 +244,7 @@ class Claude:
         """One turn; returns the exit code a one-shot run would end with."""
         self.history.append(prompt)
         log(tool="claude", event="turn", prompt=prompt, system=self.system,
-            scenario=self.scenario)
+            scenario=self.scenario, login=os.environ.get("CLAUDE_CONFIG_DIR"))
         emit(self.base(type="system", subtype="init", cwd=os.getcwd(), tools=[],
                        model=self.scenario, claude_code_version="2.1.332-fake"))
         emit(self.base(type="system", subtype="status", status="requesting"))
