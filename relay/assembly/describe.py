@@ -220,6 +220,16 @@ def describe_providers(providers: dict[str, Any]) -> str:
         rows.append((name, p["adapter"], state, f"{lanes['running']}/{lanes['capacity']}",
                      f"{lanes['queued']}/{lanes['queue_max']}",
                      ", ".join(p["models"][:4]) + (" …" if len(p["models"]) > 4 else "")))
+        for account in p.get("accounts") or ():  # SPEC L13: a line per account
+            hold = (account.get("budgets") or {}).get("hold")
+            said = account.get("state", "")
+            if account.get("state_reason"):
+                said += f" ({account['state_reason']})"
+            elif hold:
+                said += f" ({hold.get('reason', 'rate_limited')}, {hold['left_s']:.0f} s)"
+            rows.append((f"  account {account['name']}", "", said,
+                         f"{account.get('running', 0)}/{account.get('capacity', 0)}", "",
+                         f"{account.get('started', 0)} started"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
                      .rstrip() for row in rows)

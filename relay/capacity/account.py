@@ -16,6 +16,7 @@ it soonest, ties going to the one with most headroom (`Account.headroom`).
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,19 +36,8 @@ OUT_MAX_S = 600.0    # ... doubling on each failure in a row, up to this
 class Account:
     """One account's slots, pacer, budgets and state (see the module docstring)."""
 
-    __slots__ = (
-        "_clock",
-        "borrowed",
-        "failures",
-        "meter",
-        "name",
-        "out_message",
-        "out_reason",
-        "out_until",
-        "pacer",
-        "profile",
-        "started",
-    )
+    __slots__ = ("_clock", "_recent", "borrowed", "failures", "meter", "name", "out_message",
+                 "out_reason", "out_until", "pacer", "profile", "started")
 
     def __init__(self, name: str, profile: Profile, clock: Callable[[], float],
                  limits: Mapping[str, ModelLimits] | None = None,
@@ -63,6 +53,9 @@ class Account:
         self.out_reason: str | None = None
         self.out_message: str | None = None
         self.failures = 0  # failures in a row that took it out
+        # The tokens of the starts of the last minute (when, tokens): what it has taken,
+        # known budget or not — so that work spreads by tokens, not by requests.
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
     # --- admission ------------------------------------------------------------------------
     @property
@@ -91,11 +84,37 @@ class Account:
                 ready = max(ready, now + wait)
         return ready
 
-    def headroom(self, need: Need | None) -> tuple[float, float]:
-        """How much room it has (larger: more): its free share of slots, then of the
-        budgets ``need`` takes from."""
+    def headroom(self, need: Need | None, now: float) -> tuple[float, float, float]:
+        """How much room it has (larger: more): the least share left of the budgets
+        ``need`` takes from (1.0 while none is known), then the fewest tokens started
+        in the last minute (a provider meters tokens: with limits not yet known, work
+        spreads by tokens, not by requests), then its free share of slots."""
         lanes = max(1, self.profile.lanes)
-        return ((lanes - self.borrowed) / lanes, self.meter.headroom(need))
+        return (round(self.meter.headroom(need), 3), -self.recent_tokens(now),
+                (lanes - self.borrowed) / lanes)
+
+    def recent_tokens(self, now: float) -> int:
+        recent = self._recent
+        while recent and recent[0][0] <= now - 60.0:
+            recent.popleft()
+        return sum(tokens for _, tokens in recent)
+
+    def took(self, need: Need | None, now: float) -> None:
+        """A start on it (its need's tokens count for a minute, `headroom`)."""
+        self.started += 1
+        if need is not None:
+            self._recent.append((now, need.input + need.output))
+            if len(self._recent) > 4096:
+                self._recent.popleft()
+
+    def untook(self, need: Need | None, at: float) -> None:
+        """A start handed straight back: it took nothing."""
+        self.started -= 1
+        if need is not None:
+            try:
+                self._recent.remove((at, need.input + need.output))
+            except ValueError:
+                pass
 
     # --- state ------------------------------------------------------------------------------
     def failed(self, reason: str, message: str, now: float) -> None:

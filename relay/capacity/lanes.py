@@ -255,12 +255,10 @@ class Lane:
             account.failures = 0
 
     def others(self, avoid: frozenset[str]) -> list[Account]:
-        """The accounts a request that failed on ``avoid`` may still go to (in the
-        choice now, or all of them when every one is out)."""
+        """The accounts a request that failed on ``avoid`` may still move to: those in
+        the choice now (one that is out would fail it again)."""
         now = trio.current_time()
-        left = [a for a in self.accounts if a.name not in avoid]
-        usable = [a for a in left if a.usable(now)]
-        return usable or left
+        return [a for a in self.accounts if a.name not in avoid and a.usable(now)]
 
     @property
     def profile(self) -> Profile:
@@ -459,7 +457,7 @@ class Lane:
         left = [a for a in accounts if a.name not in waiter.avoid]
         everyone_out = not any(a.usable(now) for a in left)
         best: Account | None = None
-        best_at, room = math.inf, (0.0, 0.0)
+        best_at, room = math.inf, (0.0, 0.0, 0.0)
         preferred = None
         for account in left:
             at = account.ready_at(waiter.need, now, waiter.probe, everyone_out)
@@ -467,7 +465,7 @@ class Lane:
                 preferred = (account, at)
             if at > best_at or at == math.inf:
                 continue
-            here = account.headroom(waiter.need)
+            here = account.headroom(waiter.need, now)
             if at < best_at or here > room:
                 best, best_at, room = account, at, here
         if preferred is not None and len(left) > 1:
@@ -583,21 +581,26 @@ class Lane:
         self._refuse_early(need, leave_if_held, probe, priority, now, client, avoid)
         ticket = Ticket(priority=priority, queued_at=now)
         self._busy()
-        waiter = _Waiter(rank, next(self._seq), client, 0.0, step, need=need, probe=probe,
-                         prefer=prefer if len(self.accounts) > 1 else None, avoid=avoid,
-                         since=now)
+        waiter: _Waiter | None = None
         if self._borrowed < self._capacity and self._live == 0:
-            account, ready = self._choose(waiter, now)
+            if len(self.accounts) == 1 and not avoid:  # (the common case: no waiter made)
+                account: Account | None = self.accounts[0]
+                ready = self.accounts[0].ready_at(need, now, probe, out_too=True)
+            else:
+                waiter = self._waiter(rank, client, step, need, probe, prefer, avoid, now)
+                account, ready = self._choose(waiter, now)
             if account is not None and now >= ready:
-                self._take(ticket, now, account)  # (a cancel point above; the schedule
-                self._started_turn(rank, self._take_turn(rank, client, step))  # point is
-                ticket.reservation = account.meter.reserve(need)  # the holder's next
-                return ticket                 # wait: no trip through the scheduler)
+                self._take(ticket, now, account, need)  # (a cancel point above; the
+                self._started_turn(rank, self._take_turn(rank, client, step))  # schedule
+                ticket.reservation = account.meter.reserve(need)  # point is the holder's
+                return ticket                 # next wait: no trip through the scheduler)
         if self._live >= self._profile.queue_max:
             self._maybe_idle()
             raise self._capacity_error("provider_queue_full", priority=priority,
                                        client=client)
 
+        if waiter is None:
+            waiter = self._waiter(rank, client, step, need, probe, prefer, avoid, now)
         waiter.tag = self._take_turn(rank, client, step)
         heapq.heappush(self._heap, waiter)
         self._live += 1
@@ -649,10 +652,17 @@ class Lane:
         ticket.account = waiter.account
         return ticket
 
-    def _take(self, ticket: Ticket, now: float, account: Account) -> None:
+    def _waiter(self, rank: int, client: str, step: float, need: Need | None, probe: bool,
+                prefer: str | None, avoid: frozenset[str], now: float) -> _Waiter:
+        return _Waiter(rank, next(self._seq), client, 0.0, step, need=need, probe=probe,
+                       prefer=prefer if len(self.accounts) > 1 else None, avoid=avoid,
+                       since=now)
+
+    def _take(self, ticket: Ticket, now: float, account: Account,
+              need: Need | None) -> None:
         self._borrowed += 1
         account.borrowed += 1
-        account.started += 1
+        account.took(need, now)
         self._held_since.append(now)
         ticket.started_at = now
         ticket.account = account
@@ -663,7 +673,7 @@ class Lane:
         client keeps its turn."""
         assert waiter.account is not None
         waiter.account.pacer.remove(waiter.granted_at)
-        waiter.account.started -= 1
+        waiter.account.untook(waiter.need, waiter.granted_at)
         self._give_turn_back(waiter)
 
     def _hand_off(self) -> None:
@@ -679,7 +689,7 @@ class Lane:
                 # A slot is free but the pacer or a budget says not yet: make sure the
                 # head of the queue sleeps until then (it may be sleeping without a
                 # deadline), so the free slot is not left idle (SPEC L9, L12).
-                if (account is not None and ready > account.next_start()
+                if (account is not None and account.free and ready > account.next_start()
                         and head.head_since is None):
                     head.head_since = now  # it waits for tokens, not for a slot
                 head.event.set()
@@ -723,7 +733,7 @@ class Lane:
         and a start."""
         self._borrowed += 1
         account.borrowed += 1
-        account.started += 1
+        account.took(waiter.need, now)
         self._held_since.append(now)
         self._live -= 1
         waiter.granted = True

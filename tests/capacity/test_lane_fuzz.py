@@ -7,7 +7,7 @@ The long form: ``python -m bench.lane_fuzz --seeds 500``. Each seed is reproduci
 from __future__ import annotations
 
 import pytest
-from helpers.lane_fuzz import MUTANTS, local_lane, run_seed
+from helpers.lane_fuzz import MUTANTS, accounts_lane, local_lane, run_seed
 
 SEEDS = range(24)
 
@@ -19,6 +19,17 @@ def test_the_lane_keeps_every_rule_at_every_step(seed: int) -> None:
     counts = report.counts
     assert counts["arrivals"] >= 150 and counts["steps checked"] > 100
     assert counts.get("started", 0) > 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_lane_over_two_accounts_keeps_every_rule(seed: int) -> None:
+    # SPEC L13: the lanes split over two accounts (one when the run's profile is paced;
+    # a reload adds or removes the second): one queue, so every rule stays as it was.
+    unpaced = seed % 3 != 0  # (the pacer binds: one account, its rpm; a reload may split)
+    report = run_seed(accounts_lane, seed, clients=seed % 2 == 1, unpaced=unpaced,
+                      reload_rpm=not unpaced)
+    assert [str(v) for v in report.violations] == [], report.profile
+    assert report.counts.get("started after waiting", 0) > 0
 
 
 @pytest.mark.parametrize("seed", range(12))

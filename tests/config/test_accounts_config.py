@@ -124,3 +124,10 @@ async def test_a_reload_adds_and_removes_accounts_in_place(tmp_path: Path,
         assert lane.statistics().capacity == 16
         assert set(r.providers["cloud"].handle.accounts) == {"a", "d", "c"}
         await trio.lowlevel.checkpoint()
+
+
+def test_a_shared_provider_with_accounts_is_refused_in_words(tmp_path: Path) -> None:
+    text = ('[server]\ncoordination_url = "redis://127.0.0.1:6379/0"\n'
+            + TWO.replace("[providers.cloud.profile]", "shared = true\n[providers.cloud.profile]"))
+    found = "\n".join(problems(text, tmp_path))
+    assert "a shared provider with accounts is not supported yet" in found

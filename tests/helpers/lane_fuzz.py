@@ -125,6 +125,34 @@ async def local_lane(profile: Profile) -> AsyncIterator[Sequence[LaneUnderTest]]
     yield [Lane("fuzz", profile)]
 
 
+def _split(profile: Profile) -> list[tuple[str, Profile]]:
+    """SPEC L13: the profile's lanes over two accounts, where the fuzz's model of the
+    lane still holds (no pacer, no token budget: those are each account's own, and the
+    model knows one); else one account. A reload may so add or remove account b."""
+    if profile.lanes < 2 or profile.rpm or profile.itpm or profile.tpm or profile.otpm:
+        return [("a", profile)]
+    half = profile.lanes // 2
+    return [("a", attrs.evolve(profile, lanes=profile.lanes - half)),
+            ("b", attrs.evolve(profile, lanes=half))]
+
+
+class _Accounts(Lane):
+    """relay's lane with its slots over accounts (SPEC L13), as `_split` says."""
+
+    def __init__(self, name: str, profile: Profile) -> None:
+        super().__init__(name, profile, accounts=_split(profile))
+
+    def update_profile(self, profile: Profile, limits: Any = None,
+                       accounts: Any = None) -> None:
+        super().update_profile(profile, limits, _split(profile))
+
+
+@asynccontextmanager
+async def accounts_lane(profile: Profile) -> AsyncIterator[Sequence[LaneUnderTest]]:
+    """The factory for relay's lane over two accounts (one while paced or budgeted)."""
+    yield [_Accounts("fuzz", profile)]
+
+
 # --- bugs this fuzz found, put back, to show it still sees them -----------------------------
 
 class _ForgetsToHandOff(Lane):
@@ -688,7 +716,8 @@ def _random_profile(rng: random.Random, grid: float | None, scale: float = 1.0,
 async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
                      reload_rpm: bool = True, slack: float = 0.0,
                      scale: float = 1.0, tokens: bool = False,
-                     paced: bool = False, clients: bool = False) -> FuzzReport:
+                     paced: bool = False, clients: bool = False,
+                     unpaced: bool = False) -> FuzzReport:
     """One seeded run. Must run on a MockClock that autojumps (threshold 0), unless
     ``slack`` > 0: then in real time (see the module docstring).
 
@@ -704,10 +733,13 @@ async def fuzz_lanes(factory: LaneFactory, seed: int, *, arrivals: int = 150,
         paced: profiles where the pacer binds (few starts a minute, long queue timeouts).
         clients: requests from a few clients with weights, one of them in bursts (SPEC
             L14; a local lane only): the ``turns`` rule is checked.
+        unpaced: rpm 0 from the start (with ``reload_rpm`` False: all along).
     """
     rng = random.Random(seed)
     grid = 0.5 * scale if seed % 2 == 0 else None
     profile = _random_profile(rng, grid, scale, paced)
+    if unpaced:
+        profile = attrs.evolve(profile, rpm=0.0)
     if tokens:
         profile = attrs.evolve(profile, itpm=float(rng.choice([60, 600, 6000])))
     report = FuzzReport(seed=seed, profile=_profile_str(profile))
