@@ -367,6 +367,7 @@ class Lane:
         """When ``waiter`` (the head) could start: the pacer, its budgets, a hold."""
         ready = self._next_start
         if waiter is not None and self.budget.active:
+            waiter.need = self.budget.current(waiter.need)  # as learned while it waited
             wait = self.budget.wait_s(waiter.need, probe=waiter.probe, now=now)
             if wait > 0:
                 ready = max(ready, now + wait)

@@ -38,6 +38,7 @@ from relay.capacity.budget import (
     bounded_hold,
     estimate_input,
 )
+from relay.capacity.estimate import estimate_framing
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import Lane, Ticket
 from relay.capacity.meter import scope_of
@@ -319,7 +320,8 @@ def learn(learned: Learned, run_: Run, error: RelayError | None,
         if need is not None and need.script:  # (the raw estimate, the whole prompt)
             provider = run_.target.provider
             provider.input_ratio.learn(run_.call.model, need.script,
-                                       estimate_input(run_.call), usage.prompt_tokens)
+                                       estimate_input(run_.call), usage.prompt_tokens,
+                                       estimate_framing(run_.call))
 
 
 def count_wait(ticket: Ticket, record: Record) -> None:
