@@ -100,6 +100,7 @@ async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
     the provider keeps on the coordination server (`SharedBudget`)."""
     need = need_of(run_, lane.tokens.learned)
     async with lane.slot(priority, on_queued=on_queued) as ticket:
+        need = need.current()  # (the estimate learned while it waited for the slot)
         deadline = ticket.queued_at + lane.profile.queue_timeout_s
         waited, held_by, kinds = await lane.tokens.take(need, deadline=deadline,
                                                         probe=probe,
