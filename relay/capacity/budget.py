@@ -29,7 +29,8 @@ description, with where this module ("here") and the scripts ("there") keep each
   a budget left without a limit keeps its level and       _gone            (its keys)
   instant; given one again, it goes on from them
   the need: the estimated input plus the output           `.estimate`      the same
-  reservation (docs/tokens.md)
+  reservation (docs/tokens.md); a queued one's input as   Need.current     (taken after
+  the estimate says it when it starts                                      the slot)
   a need above a budget's whole limit never starts:       too_large        TOKENS_TAKE
   judged first, for every request (a hold or a queue
   does not wait for it)
@@ -45,7 +46,10 @@ description, with where this module ("here") and the scripts ("there") keep each
   (its remaining, if said, sets it, below)                _window
   a header's remaining counts what the provider admitted  _window, _late   TOKENS_SEEN
   (the output reservation too): when min(limit,
-  remaining) is lower than relay's level, or the budget
+  remaining) is lower than relay's level by more than
+  the margin (``EDGE_MARGIN`` of the limit: a provider
+  rounds, on another clock; a hair's difference would
+  take off again what started since), or the budget
   is new, it sets the level to it less the whole need of
   what was granted after the answering request
   (``started_at``: its grant), still in flight
@@ -131,6 +135,17 @@ class Need:
     estimate: int = 0  # relay's own estimate of the whole prompt (for the learning)
     script: str = ""  # the prompt's script (`relay.capacity.estimate.script_of`)
     least: int | None = None  # the fewest input tokens the provider may count (too_large)
+    # The input as the estimate says it now (`relay.capacity.estimate.InputRatio` learns
+    # while the request waits): a queued request is admitted on what was learned by
+    # then, not on what was known when it queued. None: its input stays as it is.
+    relearn: Callable[[], int] | None = attrs.field(default=None, eq=False, repr=False)
+
+    def current(self) -> Need:
+        """This need with its input as the estimate says it now (`relearn`)."""
+        if self.relearn is None:
+            return self
+        now = self.relearn()
+        return self if now == self.input else attrs.evolve(self, input=now)
 
     def cost(self, kind: str) -> int:
         if kind == "requests":
@@ -411,7 +426,10 @@ class Budget:
         # Whether to move at all is decided on the header's own figure: a provider that
         # computes a whole answer's headers at its end has those requests in it already.
         said = min(bucket.limit, remaining)
-        if created or said < bucket.level_at(now):  # it tightens relay's count (or starts it)
+        # It tightens relay's count (or starts it) when it says less by more than the
+        # margin at the edge (a provider rounds, on another clock: a hair is no news, and
+        # what started since would come off it again).
+        if created or said < bucket.level_at(now) - bucket.limit * EDGE_MARGIN:
             bucket.store(now, said - self._late(kind, started_at, own))
             for r in self._inflight:  # their real input is in the provider's count now
                 if started_at is not None and r.at <= started_at:

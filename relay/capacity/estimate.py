@@ -10,7 +10,10 @@ answers (`Learned`), never below `OUTPUT_FLOOR`.
 The input estimate learns (`InputRatio`): each whole answer's reported prompt tokens over
 relay's estimate, by model and by the prompt's script (`script_of`: the same estimate is
 0.8x of one provider's count on Korean and 1.35x of another's), a trimmed mean of the
-recent ratios that starts at 1.0 and moves as answers come.
+recent ratios that starts at 1.0 and moves as answers come — at once where the answers
+say relay counts too few (an under-estimate sends requests into 429s; an over-estimate
+only waits a little). The ratio is of the text: the framing (`estimate_framing`) is
+counted as it is.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ from typing import Any, Final
 from relay.vocab.events import Call
 
 __all__ = ["IMAGE_TOKENS", "LEAST_RATIO", "MESSAGE_OVERHEAD", "OUTPUT_FLOOR", "SCRIPTS",
-           "InputRatio", "Learned", "estimate_input", "estimate_text", "output_reservation",
-           "script_of"]
+           "InputRatio", "Learned", "estimate_framing", "estimate_input", "estimate_text",
+           "output_reservation", "script_of"]
 
 OUTPUT_FLOOR = 256          # tokens reserved for an answer of unknown length
 MESSAGE_OVERHEAD = 4        # tokens a chat message costs beyond its text (role, framing)
@@ -93,6 +96,13 @@ def estimate_input(call: Call) -> int:
         if call.params.get(key):
             total += estimate_text(json.dumps(call.params[key], ensure_ascii=False))
     return total
+
+
+def estimate_framing(call: Call) -> int:
+    """The part of `estimate_input` that is framing, not text: 3 for the reply's priming
+    and `MESSAGE_OVERHEAD` a message. A provider frames a chat message with a fixed count
+    too (OpenAI: the same 7 for one message), so the learned ratio is of the rest."""
+    return 3 + MESSAGE_OVERHEAD * len(call.messages)
 
 
 def output_reservation(call: Call, learned: int | None, provider_max: int | None = None
@@ -271,7 +281,11 @@ class _Ratios:
     def add(self, log: float) -> None:
         self.logs.append(log)
         self.seen += 1
-        ordered = sorted([*self.logs, *([0.0] * RATIO_PRIOR)])
+        ordered = sorted(self.logs)
+        # The prior brakes a ratio below 1.0 only: answers whose median says relay counts
+        # too few are believed at once (under-counting sends requests into 429s).
+        if ordered[len(ordered) // 2] <= 0.0:
+            ordered = sorted([*ordered, *([0.0] * RATIO_PRIOR)])
         cut = int(RATIO_TRIM * len(ordered))
         kept = ordered[cut:len(ordered) - cut]
         self.ratio = math.exp(math.fsum(kept) / len(kept))
@@ -289,9 +303,16 @@ class InputRatio:
     Robust: the ratio is the trimmed mean (a quarter cut at each end) of the logarithms of
     the last `RATIO_WINDOW` answers' ratios and of `RATIO_PRIOR` pseudo-answers at 1.0 (the
     estimate as it is), so a single odd answer (an image, a provider's hidden system
-    prompt) is always cut, and the first answers move it gradually: one moves nothing,
-    then each moves it further (4 answers at 0.72 give 0.85, 10 give 0.75). Bounded: at
-    most `RATIO_KEYS` (model, script) pairs, each at most `RATIO_WINDOW` floats."""
+    prompt) is cut, and the first answers that say relay over-counts move it gradually:
+    one moves nothing, then each moves it further (4 answers at 0.72 give 0.85, 10 give
+    0.75). Answers whose median ratio is above 1.0 (relay under-counts: its requests would
+    meet 429s) are believed at once, without the prior: one answer at 2.0 gives 2.0.
+
+    The ratio is of the text: ``fixed`` (`estimate_framing`, the message framing, which a
+    provider counts alike) is taken off relay's estimate and the reported count before the
+    ratio, and added back as it is (a 20-token prompt is mostly framing; its ratio says
+    little of a 6,000-token one's). Bounded: at most `RATIO_KEYS` (model, script) pairs,
+    each at most `RATIO_WINDOW` floats."""
 
     def __init__(self, keys: int = RATIO_KEYS) -> None:
         self._keys = keys
@@ -303,12 +324,14 @@ class InputRatio:
         found = self._ratios.get((model, script))
         return found.ratio if found is not None else 1.0
 
-    def adjust(self, model: str, script: str, estimate: int) -> int:
-        """``estimate`` (relay's, `estimate_input`) as the provider would likely count it;
-        never below 1."""
-        return max(1, math.ceil(estimate * self.ratio(model, script) - 1e-9))
+    def adjust(self, model: str, script: str, estimate: int, fixed: int = 0) -> int:
+        """``estimate`` (relay's, `estimate_input`; ``fixed`` of it framing, counted as it
+        is) as the provider would likely count it; never below 1."""
+        fixed = min(max(0, fixed), estimate)
+        return max(1, fixed + math.ceil((estimate - fixed) * self.ratio(model, script)
+                                        - 1e-9))
 
-    def least(self, model: str, script: str, estimate: int) -> int:
+    def least(self, model: str, script: str, estimate: int, fixed: int = 0) -> int:
         """The fewest tokens the provider may plausibly count for ``estimate``: once
         `RATIO_SURE` answers are kept, at their lowest ratio; before, at the script's
         `LEAST_RATIO` (or the learned ratio, if lower). For refusing a request that could
@@ -318,20 +341,23 @@ class InputRatio:
             low = min(LEAST_RATIO.get(script, LEAST_RATIO["other"]), self.ratio(model, script))
         else:
             low = min(found.low(), found.ratio)
-        return max(1, math.floor(estimate * low + 1e-9))
+        fixed = min(max(0, fixed), estimate)
+        return max(1, fixed + math.floor((estimate - fixed) * low + 1e-9))
 
     def known(self, model: str, script: str) -> bool:
         """`RATIO_SURE` answers are kept: ``least`` rests on the provider's own counts."""
         found = self._ratios.get((model, script))
         return found is not None and len(found.logs) >= RATIO_SURE
 
-    def learn(self, model: str, script: str, estimate: int, reported: int) -> bool:
+    def learn(self, model: str, script: str, estimate: int, reported: int,
+              fixed: int = 0) -> bool:
         """A whole answer's reported prompt tokens against relay's estimate of its prompt
-        (before `adjust`). A count of 0, or a ratio outside `RATIO_BOUNDS`, teaches nothing
-        (False)."""
-        if estimate <= 0 or reported <= 0:
+        (before `adjust`; ``fixed`` of both the framing). A count of 0, no text beyond the
+        framing, or a ratio outside `RATIO_BOUNDS` teaches nothing (False)."""
+        fixed = max(0, fixed)
+        if estimate <= fixed or reported <= fixed:
             return False
-        ratio = reported / estimate
+        ratio = (reported - fixed) / (estimate - fixed)
         if not RATIO_BOUNDS[0] <= ratio <= RATIO_BOUNDS[1]:
             return False
         key = (model, script)

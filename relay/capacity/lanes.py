@@ -450,6 +450,8 @@ class Lane:
         to the most headroom; its conversation's account while that one can start it
         within ``affinity_wait_s`` of its arrival. Accounts that are out are left out,
         unless every one it may use is."""
+        if waiter.need is not None:  # as the estimate says it now (learned while queued)
+            waiter.need = waiter.need.current()
         accounts = self.accounts
         if len(accounts) == 1 and not waiter.avoid:  # (the common case, kept cheap)
             one = accounts[0]

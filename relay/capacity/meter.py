@@ -14,9 +14,12 @@ from another model's: one model's empty bucket or 429 does not slow the others.
 
 Before the first answer (`Profile.first_starts`, N > 0): until a model has been answered
 once, at most N of its requests run at once; the first answer's headers (seconds away)
-tell relay the model's budgets, so a burst at start-up does not run into the limits it
-could have read. The others wait at most `FIRST_WAIT_S` after the first start (a long
-non-streamed answer brings its headers only at its end). 0 turns this off (local servers
+tell relay the model's budgets and its usage what the provider counts of relay's
+estimate (`relay.capacity.estimate.InputRatio`), so a burst at start-up does not run
+into the limits it could have read. A streamed answer's headers come at its start: the
+gate opens when the first answer is whole (settled), or with an error answer. The
+others wait at most `FIRST_WAIT_S` after the first start (a long non-streamed answer
+brings its headers only at its end). 0 turns this off (local servers
 and CLI tools, which send no headers).
 
 The lane (`relay.capacity.lanes`) asks a `Meter` exactly what it asked a `Budget`; the
@@ -145,6 +148,11 @@ class Meter:
             return 0.0
         return max(0.0, self._first_at.get(scope, now) + FIRST_WAIT_S - now)
 
+    def current(self, need: Need | None) -> Need | None:
+        """A waiter's need as the estimate says it now (`Need.current`: relay learned
+        what the provider counts while it waited)."""
+        return None if need is None else need.current()
+
     def too_large(self, need: Need) -> tuple[str, int, float] | None:
         """(kind, need, limit) of a budget ``need`` could never fit; a need relay is not
         sure of (a prompt the provider may read from its cache) is sent, not refused."""
@@ -257,8 +265,8 @@ class Meter:
                 reason: str = "rate_limited", own: Reservation | None = None) -> None:
         """An answer's headers (the model's budgets) and hold: a 429 that names its model
         (or carries the model's rate-limit headers) holds the model, else the account."""
-        if scope:
-            self._answered.add(scope)
+        if scope and not ok:  # (a 200's headers may come at its start: the gate opens
+            self._answered.add(scope)  # at its settlement, its usage learned too)
             self._first_at.pop(scope, None)
         mine = dict(own.parts) if isinstance(own, Grant) else {}
         windows = limits.windows if limits is not None else {}

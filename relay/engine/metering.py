@@ -38,6 +38,7 @@ from relay.capacity.budget import (
     bounded_hold,
     estimate_input,
 )
+from relay.capacity.estimate import estimate_framing
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import Lane, Ticket
 from relay.capacity.meter import scope_of
@@ -104,6 +105,7 @@ async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
     the provider keeps on the coordination server (`SharedBudget`)."""
     need = need_of(run_, lane.tokens.learned)
     async with lane.slot(priority, on_queued=on_queued) as ticket:
+        need = need.current()  # (the estimate learned while it waited for the slot)
         deadline = ticket.queued_at + lane.profile.queue_timeout_s
         waited, held_by, kinds = await lane.tokens.take(need, deadline=deadline,
                                                         probe=probe,
@@ -327,7 +329,8 @@ def learn(learned: Learned, run_: Run, error: RelayError | None,
         if need is not None and need.script:  # (the raw estimate, the whole prompt)
             provider = run_.target.provider
             provider.input_ratio.learn(run_.call.model, need.script,
-                                       estimate_input(run_.call), usage.prompt_tokens)
+                                       estimate_input(run_.call), usage.prompt_tokens,
+                                       estimate_framing(run_.call))
 
 
 def count_wait(ticket: Ticket, record: Record) -> None:

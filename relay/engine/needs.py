@@ -6,12 +6,14 @@ reservation, the model's budget scope — and the conversation it belongs to."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 from relay.capacity.budget import Learned, Need, estimate_input, output_reservation
-from relay.capacity.estimate import script_of
+from relay.capacity.estimate import estimate_framing, script_of
 from relay.capacity.meter import scope_of
 from relay.vocab.events import Call
 
@@ -31,25 +33,30 @@ def need_of(run_: Run, learned_from: Learned) -> Need:
     provider = run_.target.provider
     provider_max = getattr(provider.config.settings, "max_tokens", None)
     learned = learned_from.output(call.model)
-    raw, script = estimate_input(call), script_of(call)
+    raw, script, fixed = estimate_input(call), script_of(call), estimate_framing(call)
     # What this provider counted for this model's prompts in this script so far.
     ratio = provider.input_ratio
-    estimate = ratio.adjust(call.model, script, raw)
+    estimate = ratio.adjust(call.model, script, raw, fixed)
     # Judged too large on the fewest the provider may count once its own counts say so;
     # until then on the learned estimate (a guess below it would send what never fits).
-    least = ratio.least(call.model, script, raw) if ratio.known(call.model, script) \
-        else estimate
+    least = ratio.least(call.model, script, raw, fixed) \
+        if ratio.known(call.model, script) else estimate
     needed, sure = estimate, True
+    # While it waits in the queue, the answers of the requests before it teach the ratio:
+    # it starts on what was learned by then (`Need.current`).
+    relearn: Callable[[], int] | None = functools.partial(
+        ratio.adjust, call.model, script, raw, fixed)
     if skips_cache_reads(provider) and marks_cache(call):  # (unmarked: nothing cached)
         uncached = provider.conversations.uncached(conversation_of(call), estimate)
         if uncached is not None:
             needed, least = uncached, min(least, uncached)
         else:
             sure = False
+        relearn = None  # (what the cache holds was judged when it queued)
     return Need(needed, output_reservation(
         call, learned, provider_max if isinstance(provider_max, int) else None),
         scope=scope_of(call.model), sure=sure, estimate=estimate, script=script,
-        least=least)
+        least=least, relearn=relearn)
 
 
 def skips_cache_reads(provider: Provider) -> bool:

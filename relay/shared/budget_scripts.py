@@ -343,8 +343,9 @@ while ARGV[i] do
     created = created or redis.call('HGET', B, kind .. ':new') == '1'
     -- (decided on the header's own figure: a provider that computes a whole answer's
     -- headers at its end has those requests in it already)
+    -- (less by more than the margin at the edge: a provider rounds, on another clock)
     local said = math.min(now_limit, remaining)
-    if created or said < level_of(kind, now_limit) then
+    if created or said < level_of(kind, now_limit) - now_limit * MARGIN then
       store(kind, said - late(kind))
       counted(kind)
     end

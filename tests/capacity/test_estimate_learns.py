@@ -219,8 +219,11 @@ def test_one_outlier_moves_it_no_more_than_an_ordinary_answer(
     ordinary, odd = copy.deepcopy(ratio), copy.deepcopy(ratio)
     ordinary.learn("m", "latin", 10_000, round(10_000 * true))
     odd.learn("m", "latin", 10_000, round(10_000 * outlier))
-    if kept == 0:  # the first answer moves nothing, however odd
-        assert odd.ratio("m", "latin") == 1.0
+    if kept == 0:  # the first answer moves nothing, however odd, unless it says relay
+        # counts too few: then it is believed at once (an under-count meets 429s)
+        said = round(10_000 * outlier) / 10_000
+        assert odd.ratio("m", "latin") == pytest.approx(said if said > 1 else 1.0)
+        return
     # an odd answer is cut where an ordinary one would have been kept: the two differ by
     # at most one kept value's share of the kept values' spread (the answers' noise, and
     # the prior's 1.0 while it is among them)

@@ -62,3 +62,30 @@ async def test_a_korean_prompt_the_provider_takes_is_not_refused_and_reservation
         await big.done.wait()
         assert ok(big), big.text()[:300]
         assert fake.rejected == []
+
+
+async def test_a_burst_of_korean_counted_at_twice_relays_estimate_meets_no_429(
+        nursery: trio.Nursery, clock: trio.testing.MockClock, tmp_path: Path) -> None:
+    # bench.tokens' "korean 0.5" burst, smaller: the provider counts two tokens a Hangul
+    # syllable, relay's first estimate one. Relay starts 2 before the model's first
+    # answer; the rest queue on that first estimate. They must start on what the first
+    # answers taught (the estimate learned while they waited: Need.current), and an
+    # answer saying relay counts too few is believed at once.
+    fake: Metered = await nursery.start(functools.partial(
+        serve_metered, Limits(rpm=100, itpm=20_000, otpm=16_000)))
+    fake.cjk_chars_per_token = 0.5
+    fake.tokens_per_s, fake.first_token_s = 100.0, 0.3
+    profile = "first_starts = 2\nrpm = 100\nitpm = 20000\notpm = 16000"
+    async with relay_for(tmp_path, config(fake.base_url, profile, extra="")) as r:
+        burst = [send(nursery, r, ask(korean(3000 if i % 6 == 0 else 100, i),
+                                      model="p/m-out400", max_tokens=400 if i % 6 == 0
+                                      else 150, stream=i % 10 < 3))
+                 for i in range(30)]
+        for res in burst:
+            await res.done.wait()
+        assert all(ok(res) for res in burst), [res.status for res in burst]
+        assert fake.rejected == []  # the provider never had to say 429
+        # ... and relay did not wait much longer than the provider's buckets made it:
+        # ~35,000 input tokens at 20,000 a minute, 20,000 of them at once (the ideal
+        # pacer: ~46 s).
+        assert trio.current_time() < 60

@@ -200,3 +200,32 @@ async def test_the_first_answer_gate_holds_the_others_ten_seconds_at_most(
             await res.done.wait()
         assert all(ok(res) for res in burst)
         assert 40 <= trio.current_time() - start < 45  # (10 s, then a 30 s answer)
+
+
+async def test_a_header_a_hair_under_relays_count_takes_nothing_off_again(
+        nursery: trio.Nursery, clock: trio.testing.MockClock, tmp_path: Path) -> None:
+    # A non-streamed answer's headers said at its end: what started after it is in the
+    # provider's remaining already. Relay's count is the provider's here (a CJK character
+    # a token on both sides), so the header says a hair less (it rounds down): that is
+    # no news, and the requests started since must not come off again (relay waited up
+    # to ~10 s for nothing on the bench's Korean and steady rows).
+    fake: Metered = await nursery.start(functools.partial(
+        serve_metered, Limits(itpm=20_000, otpm=20_000)))
+    fake.tokens_per_s, fake.first_token_s = 100.0, 0.3
+    async with relay_for(tmp_path, config(fake.base_url)) as r:
+        warm = send(nursery, r, ask("안녕", model="p/m-out400", max_tokens=10))
+        await warm.done.wait()
+        long = send(nursery, r, ask("안녕 하세요", model="p/m-out400", max_tokens=400))
+        await trio.sleep(0.5)
+        later = [send(nursery, r, ask("가나다라 " * 1200, model="p/m-out400",
+                                      max_tokens=400)) for _ in range(2)]
+        await long.done.wait()  # its headers: at its end, the two later ones in them
+        assert ok(long) and not any(x.done.is_set() for x in later)
+        budget = lane_of(r).budget.status(lambda t: None)["models"]["m-out400"]
+        told = fake.buckets["itpm"].now(trio.current_time())
+        assert abs(budget["budgets"]["input"]["remaining"] - told) <= 0.01 * 20_000, (
+            budget["budgets"]["input"]["remaining"], told)
+        for x in later:
+            await x.done.wait()
+            assert ok(x), x.text()[:300]
+        assert fake.rejected == []
