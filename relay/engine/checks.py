@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 import trio
 
+from relay.capacity.lanes import Lane
 from relay.engine.dispatch import Dispatcher
 from relay.engine.engine import Engine
 from relay.engine.plan import Plan, Target
@@ -78,22 +79,59 @@ def _check_model(provider: Provider) -> str:
 
 
 async def check_provider(relay: Engine, provider: Provider) -> CheckResult:
-    """Run one connection check and apply its outcome to the provider's state."""
-    # long because a check is one pass through the whole path (models, plan, dispatcher,
-    # record, state rules of SPEC H1-H3) and reads best in that order.
+    """Run one connection check and apply its outcome to the provider's state. A
+    provider with several accounts (SPEC L13) is checked on each, one after the other: an
+    account that answers comes back into the choice, one that fails leaves it, and the
+    provider is connected while one answers."""
     started = trio.current_time()
     if not provider.models and not provider.config.check_model:
         try:
             with trio.move_on_after(10):
-                provider.models = sorted(set(await provider.adapter.models()))
+                provider.models = await provider.list_models()
         except RelayError as exc:
             return _apply(provider, started, None, exc)
+    lane = provider.lane
+    accounts = [a.name for a in lane.accounts] if isinstance(lane, Lane) else []
+    if len(accounts) < 2:
+        text, error = await _check_once(relay, provider, frozenset(), "")
+        if error is None:
+            with trio.move_on_after(10):
+                await provider.refresh_models(force=True)
+        return _apply(provider, started, text, error)
+    outcomes = []
+    for name in accounts:
+        outcomes.append((name, *await _check_once(relay, provider,
+                                                  frozenset(accounts) - {name}, name)))
+    said = "; ".join(f"account {name}: " + ("answered" if error is None else
+                                            f"{error.reason} ({error.message})")
+                     for name, _, error in outcomes)
+    answered = [(text, error) for _, text, error in outcomes if error is None]
+    if answered:
+        with trio.move_on_after(10):
+            await provider.refresh_models(force=True)
+        result = _apply(provider, started, answered[0][0], None)
+        failed = [name for name, _, error in outcomes if error is not None]
+        provider.warning = (f"{said} — the accounts that answered serve"
+                            if failed else None)
+        return attrs.evolve(result, message=f"{result.message}: {said}")
+    result = _apply(provider, started, None, outcomes[0][2])
+    return attrs.evolve(result, message=said)
+
+
+async def _check_once(relay: Engine, provider: Provider, avoid: frozenset[str],
+                      account: str) -> tuple[str | None, RelayError | None]:
+    """One check request through the whole path (``avoid``: the accounts it must not
+    use); its record written; its answer's text, or its error."""
+    # long because a check is one pass through the whole path (model, plan, dispatcher,
+    # record) and reads best in that order.
+    started = trio.current_time()
     model = _check_model(provider)
     # A unique id: two checks of one provider can start in the same millisecond (a
     # scheduled one and one asked for), and ids built from the time collided.
-    record = Record(id=f"check-{provider.name}-{secrets.token_hex(6)}", started_at=started,
-                    route="(check)", provider=provider.name, model=model,
-                    priority="interactive")
+    suffix = f"-{account}" if account else ""
+    record = Record(id=f"check-{provider.name}{suffix}-{secrets.token_hex(6)}",
+                    started_at=started, route="(check)", provider=provider.name,
+                    model=model, priority="interactive")
     if relay.draining:
         # No new work while relay drains: the drain has stopped (or is about to stop)
         # what it tracks, and a check tracked after that would run unstopped.
@@ -103,13 +141,14 @@ async def check_provider(relay: Engine, provider: Provider) -> CheckResult:
                                                       refused.phase)
         relay.records.write(record)
         await trio.lowlevel.checkpoint()
-        return _apply(provider, started, None, refused)
+        return None, refused
     call = Call(request_id=record.id, provider=provider.name, model=model,
                 messages=[{"role": "user", "content": CHECK_PROMPT}], stream=False)
     plan = Plan([Target(provider, model, "primary")])
     stop = RequestStop()
     out, events = trio.open_memory_channel[Any](64)
-    dispatcher = Dispatcher(relay, plan, call, "interactive", record, stop, stream=False)
+    dispatcher = Dispatcher(relay, plan, call, "interactive", record, stop, stream=False,
+                            avoid=avoid)
     text = ""
     error: RelayError | None = None
     ended = False
@@ -136,10 +175,7 @@ async def check_provider(relay: Engine, provider: Provider) -> CheckResult:
         releases = [a.released_at for a in record.attempts if a.released_at is not None]
         record.released_at = max(releases) if releases else None
         relay.records.write(record)
-    if error is None:
-        with trio.move_on_after(10):
-            await provider.refresh_models(force=True)
-    return _apply(provider, started, text, error)
+    return text, error
 
 
 def _apply(provider: Provider, started: float, text: str | None,

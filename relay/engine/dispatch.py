@@ -60,12 +60,13 @@ logger = logging.getLogger("relay.dispatch")
 class Dispatcher:
     def __init__(self, relay: Engine, plan: Plan, call: Call, priority: str,
                  record: Record, stop: RequestStop, stream: bool, *,
-                 client_weight: float = 1.0) -> None:
+                 client_weight: float = 1.0, avoid: frozenset[str] = frozenset()) -> None:
         self.relay, self.plan, self.base_call, self.priority = relay, plan, call, priority
         # SPEC L14: whose request it is (the record's client), and its weight in turns
         # inside a priority class of a lane's queue ("default": relay without [clients]).
         self.client, self.client_weight = record.client, client_weight
         self.record, self.stop, self.stream = record, stop, stream
+        self.avoid = avoid  # SPEC L13: accounts it must not use (a check of one account)
         self.runs: list[Run] = []
         self.notices: LaneNotices | None = None  # made when it runs (it needs the nursery)
 
@@ -208,7 +209,7 @@ class Dispatcher:
         """An attempt on ``target``; a failure of its account's moves to another account
         of the provider at once (SPEC L13: a same-target retry, F3) while one is left and
         time is; a 429 that set a hold is waited out once when it must be (L12)."""
-        run = await self._attempt(nursery, out, target, call, sent, deadline)
+        run = await self._attempt(nursery, out, target, call, sent, deadline, self.avoid)
         while (avoid := metering.moves(run, deadline, self.record.id)) is not None:
             if (moved := self._call_for(target, sent)) is None:
                 break

@@ -184,9 +184,21 @@ class Provider:
         # (noqa, ASYNC912: the await is inside a try that only catches RelayError.)
         with trio.move_on_after(DISCOVERY_TIMEOUT_S):  # noqa: ASYNC912
             try:
-                self.models = sorted(set(await self.handle.adapter.models()))
+                self.models = await self.list_models()
             except RelayError as exc:
                 logger.debug("model discovery for %s failed: %s", self.name, exc.message)
+
+    async def list_models(self) -> list[str]:
+        """The provider's models, from the first account that answers (SPEC L13: one
+        whose key is refused does not hide them)."""
+        adapters = list(self.handle.accounts.values()) or [self.handle.adapter]
+        for adapter in adapters[:-1]:
+            try:
+                return sorted(set(await adapter.models()))
+            except RelayError as exc:
+                logger.debug("model discovery for %s failed on one account: %s",
+                             self.name, exc.message)
+        return sorted(set(await adapters[-1].models()))
 
     def served(self, conversation: str, account: str) -> None:
         """SPEC L13: ``account`` answered ``conversation``: its next turn prefers it."""

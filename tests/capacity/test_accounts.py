@@ -260,3 +260,38 @@ def test_relay_status_lists_each_account_under_its_provider() -> None:
                                 "started"]
     assert lines[3].split() == ["account", "b", "held", "(rate_limited,", "12", "s)",
                                 "1/8", "9", "started"]
+
+
+async def test_a_check_tries_every_account_and_brings_one_back(
+        nursery: trio.Nursery, clock: trio.testing.MockClock, fake: KeyedMetered,
+        tmp_path: Path) -> None:
+    fake.revoked.add(KEYS["KEY_A"])
+    text = config(fake.base_url).replace('adapter = "openai"\n',
+                                         'adapter = "openai"\ncheck_model = "m-out10"\n')
+    async with relay_for(tmp_path, text) as r:
+        res = send(nursery, r, ask("hello", model="p/m-out10", max_tokens=10))
+        await res.done.wait()
+        assert ok(res)
+        accounts = {a["name"]: a for a in (await status_of(r))["accounts"]}
+        assert accounts["a"]["state"] == "out"
+        # A check while a's key is still refused: b answers, a stays out, and the
+        # provider is connected with a warning that names a.
+        check = ASGIResult()
+        await asgi_request(r.app, "/relay/v1/providers/p/check", b"", check)
+        assert check.status == 200, check.text()
+        said = check.json()
+        assert said["outcome"] == "answered", said["message"]
+        assert "account a: auth_required" in said["message"]
+        assert "account b: answered" in said["message"]
+        status = await status_of(r)
+        assert status["state"] == "connected" and "account a" in status["warning"]
+        # The key works again: the next check brings a back at once (no 30 s wait).
+        fake.revoked.clear()
+        check = ASGIResult()
+        await asgi_request(r.app, "/relay/v1/providers/p/check", b"", check)
+        assert check.json()["outcome"] == "answered", check.text()
+        status = await status_of(r)
+        assert {a["name"]: a["state"] for a in status["accounts"]} == {"a": "ok", "b": "ok"}
+        assert status["warning"] is None
+        checks = [rec for rec in records(tmp_path) if rec["route"] == "(check)"]
+        assert [rec["account"] for rec in checks] == ["a", "b", "a", "b"]
