@@ -35,6 +35,7 @@ from relay.vocab.events import Call, Inbound
 
 from .asgi import header
 from .exchange import Exchange
+from .info import forbidden_model
 from .writers import JSONWriter, StreamWriter
 
 __all__ = ["CHANNEL_SIZE", "Chat", "plan_for", "priority_of", "reserve_cost"]
@@ -71,11 +72,7 @@ def plan_for(exchange: Exchange, model: str, fallbacks: Any) -> Plan:
         fallbacks, list) else [model]
     refused = [name for name in names if not client.may_use(name)]
     if refused:
-        raise RelayError("forbidden_model", f"client {client.name!r} may not use "
-                         f"{', '.join(map(repr, refused))}; the models it may use: "
-                         f"{', '.join(client.models)}", param="model",
-                         action=f"name one of those models, or add it to models in "
-                                f"[clients.{client.name}]")
+        raise forbidden_model(client, refused)
     plan = make_plan(exchange.relay, model, fallbacks)
     clients.admit(client, exchange.record.id, None)
     return plan
