@@ -168,7 +168,7 @@ class GeminiCount(CountTokens):
                                  "object", param="generateContentRequest")
             body = dumps(inner)
         chat = parse_gemini_body(body, self.model, stream=False)
-        self.plan, target = _plan(exchange, chat.model)
+        self.plan, target = _plan(exchange, chat.model, costs=False)  # a count is free
         exchange.record.requested_model = chat.model
         provider = target.provider
         adapter = provider.adapter
