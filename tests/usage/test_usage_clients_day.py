@@ -59,7 +59,8 @@ tokens_per_day = 10000000
 token_env = "RELAY_TEST_APP_TOKEN"
 """
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota",
+         "kappa", "lambda", "mu"]
 CLIENT_MODELS = {"RELAY_TEST_CODE_TOKEN": ["fake/echo", "fake/big", "fast"],
                  "RELAY_TEST_CODEX_TOKEN": ["fake/big", "fake/echo", "other/echo",
                                             "fake/echo?fail=upstream_error&fail_after=1"],
