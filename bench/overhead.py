@@ -1,6 +1,7 @@
 """How much relay costs: relay vs a direct call to the same fake upstream, in one run.
 
     python -m bench.overhead [--quick] [--queued N] [--json FILE] [--profile] [--pin]
+    python -m bench.overhead --clients [--quick] [--rounds N] [--json FILE]
 
 Three processes, so the load client is never what is measured:
 
@@ -39,6 +40,16 @@ Placement. By default the scheduler places the processes. ``--pin`` puts relay a
 CPU 0 and the client on CPU 1 (the upstream on CPU 0 for direct runs, CPU 1 for relay
 runs); on a small VM that is often slower, because every request then wakes a process
 on the other CPU (a loopback ping-pong measured 66 µs across CPUs vs 16 µs on one).
+
+``--clients`` measures only what clients and their usage add (issue 35): the added p50
+at concurrency 1 of three daemons in the same run, in interleaved rounds against the
+same upstream — "plain" (this bench's config: records, and so the usage database, on;
+no ``[clients]``), "clients" (the same with two ``[clients]`` tokens, the request sent
+with one, a price for the model and every limit on: the token check, the cost, the
+dollar reservation, the per-minute gate), and "no usage" (plain with the usage
+database's task off); on all three the upstream has a key, as a real provider does —
+and the median over rounds of each round's difference (target: clients - plain within
+0.05 ms), with each daemon's CPU time per request (less noisy than a latency).
 
 Times across processes are ``time.perf_counter()`` (CLOCK_MONOTONIC, the same clock in
 every process); the upstream converts its trio timestamps to it. Every subprocess is
@@ -217,8 +228,11 @@ class HTTPConnection:
         return status, body
 
 
-def http_request(method: str, hostport: str, path: str, body: bytes = b"") -> bytes:
+def http_request(method: str, hostport: str, path: str, body: bytes = b"",
+                 token: str | None = None) -> bytes:
     head = f"{method} {path} HTTP/1.1\r\nHost: {hostport}\r\n"
+    if token is not None:
+        head += f"Authorization: Bearer {token}\r\n"
     if body:
         head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
     return (head + "\r\n").encode() + body
@@ -233,6 +247,7 @@ class Target:
     port: int
     prefix: str  # model prefix: "" direct, "up/" through relay
     as_relay_sends: bool  # direct streams ask for usage, as relay's adapter does upstream
+    token: str | None = None  # a client's, sent as Authorization: Bearer
 
     @property
     def hostport(self) -> str:
@@ -245,7 +260,7 @@ class Target:
         """A plain request to one of the `FRONTS`."""
         path, body, _ = FRONTS[front]
         return http_request("POST", self.hostport, path, json.dumps(
-            body(self.prefix + model, False), separators=(",", ":")).encode())
+            body(self.prefix + model, False), separators=(",", ":")).encode(), self.token)
 
     def chat(self, model: str, *, stream: bool = False, tag: str | None = None) -> bytes:
         body: dict[str, Any] = {"model": self.prefix + model, "stream": stream,
@@ -255,7 +270,7 @@ class Target:
         if stream and self.as_relay_sends:
             body["stream_options"] = {"include_usage": True}
         return http_request("POST", self.hostport, "/v1/chat/completions",
-                            json.dumps(body, separators=(",", ":")).encode())
+                            json.dumps(body, separators=(",", ":")).encode(), self.token)
 
 
 # --- the fake upstream, in its own process -----------------------------------------------
@@ -1052,6 +1067,137 @@ async def measure_stops(targets: tuple[Target, Target], control: Control, sizes:
 
 # --- profiling -----------------------------------------------------------------------------
 
+# --- --clients: what clients and their usage add ------------------------------------------
+
+CLIENT_TOKENS = {"BENCH_AGENT_TOKEN": "bench-agent-token-0123456789abcdef",
+                 "BENCH_CHAT_TOKEN": "bench-chat-token-0123456789abcdef",
+                 # Every side's upstream has a key, as a real provider does: relay then
+                 # redacts every record on all three (with no secret at all it skips
+                 # that, and a client's token would look like the cost of clients).
+                 "BENCH_UPSTREAM_KEY": "bench-upstream-key-0123456789abcdef"}
+CLIENTS_TOML = """
+[providers.up.prices."fast"]
+input = 3.0
+output = 15.0
+[clients.agent]
+token_env = "BENCH_AGENT_TOKEN"
+models = ["up/*", "fake/*"]
+lanes = 64
+rpm = 10000000
+tpm = 10000000000
+tokens_per_day = 10000000000
+usd_per_day = 1000000
+usd_per_month = 10000000
+[clients.chat]
+token_env = "BENCH_CHAT_TOKEN"
+priority = "interactive"
+"""
+CLIENTS_TARGET_MS = 0.05  # issue 35: clients - plain, added p50, at most
+
+
+def serve_relay_without_usage(config: str) -> int:
+    """``relay serve`` with the usage database's task off (the bench's "no usage" side:
+    records are written, nothing reads them into the database)."""
+    from relay.assembly.cli import main as relay_main
+    from relay.engine import engine
+
+    engine.UsageStore = lambda path: None  # type: ignore[assignment,misc,return-value]
+    return relay_main(["serve", "--config", config, "--port", "0"])
+
+
+async def run_clients_bench(rounds: int, per_round: int, tmp: Path) -> dict[str, Any]:
+    """Sequential chat requests (c=1) to the upstream and to the three daemons, in
+    interleaved rounds (each round's order turned by one); each side's p50 per round."""
+    os.environ.update(CLIENT_TOKENS)
+    sides = {"plain": "", "clients": CLIENTS_TOML, "no usage": ""}
+    children: list[Child] = []
+    p50s: dict[str, list[float]] = {"direct": [], **{name: [] for name in sides}}
+    # Each daemon's CPU time while its own requests ran, per request (µs): moves much
+    # less with the machine's noise than a latency does.
+    cpu_us: dict[str, list[float]] = {name: [] for name in sides}
+    pids: dict[str, int] = {}
+    async with trio.open_nursery() as nursery:
+        try:
+            upstream, up_port, _ = await start_upstream(nursery, tmp)
+            children.append(upstream)
+            targets = [Target("direct", "127.0.0.1", up_port, "", as_relay_sends=True)]
+            for name, extra in sides.items():
+                folder = tmp / name.replace(" ", "-")
+                folder.mkdir()
+                config = write_config(folder, up_port)
+                config.write_text(config.read_text().replace(
+                    '[providers.up]\nadapter = "openai"\n', '[providers.up]\nadapter = '
+                    '"openai"\napi_key_env = "BENCH_UPSTREAM_KEY"\n') + extra)
+                cmd = ([PY, "-m", "bench.overhead", "--serve-relay-without-usage",
+                        str(config)] if name == "no usage" else
+                       [PY, "-m", "relay", "serve", "--config", str(config), "--port", "0"])
+                child = await start_relay(nursery, cmd, f"relay ({name})", None)
+                children.append(child)
+                pids[name] = child.pid
+                target = relay_target(child)
+                token = CLIENT_TOKENS["BENCH_AGENT_TOKEN"] if extra else None
+                targets.append(replace(target, label=name, token=token))
+            note(f"clients: warming up, then {rounds} rounds of {per_round} requests a side")
+            for target in targets:
+                await measure_latency(target, 100, 0)
+            for r in range(rounds):
+                turned = targets[r % len(targets):] + targets[:r % len(targets)]
+                for target in turned:
+                    pid = pids.get(target.label)
+                    before = cpu_seconds(pid) if pid else 0.0
+                    p50s[target.label].append(pct(await measure_latency(
+                        target, 10, per_round), 0.5))
+                    if pid:
+                        cpu_us[target.label].append(
+                            (cpu_seconds(pid) - before) / (per_round + 10) * 1e6)
+        finally:
+            for child in children:
+                await child.stop()
+            nursery.cancel_scope.cancel()
+    added = {name: [p - d for p, d in zip(p50s[name], p50s["direct"], strict=True)]
+             for name in sides}
+    diff = {"clients - plain": [c - p for c, p in zip(added["clients"], added["plain"],
+                                                      strict=True)],
+            "plain - no usage": [p - n for p, n in zip(added["plain"], added["no usage"],
+                                                       strict=True)],
+            "clients - no usage": [c - n for c, n in zip(added["clients"],
+                                                         added["no usage"], strict=True)]}
+    return {"rounds": rounds, "per_round": per_round, "p50_ms": p50s, "added_ms": added,
+            "differences_ms": diff, "cpu_us_per_request": cpu_us}
+
+
+def render_clients(results: dict[str, Any]) -> tuple[str, bool]:
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    lines = [f"What clients and their usage add (issue 35): added p50 at c=1, chat, "
+             f"{results['rounds']} rounds of {results['per_round']} requests a side; the "
+             f"median of the rounds (lowest … highest round)"]
+    rows = [["", "added p50", "rounds"]]
+    direct = results["p50_ms"]["direct"]
+    rows.append(["direct p50 (the upstream)", f"{median(direct):.3f} ms",
+                 f"{min(direct):.3f} … {max(direct):.3f}"])
+    for name, values in results["added_ms"].items():
+        rows.append([name, f"{median(values):.3f} ms", f"{min(values):.3f} … "
+                     f"{max(values):.3f}"])
+    for name, values in results["differences_ms"].items():
+        rows.append([name, f"{median(values):+.3f} ms", f"{min(values):+.3f} … "
+                     f"{max(values):+.3f}"])
+    lines += _table(rows)
+    # (The CPU clock ticks every 10 ms: a round's figure is ±50 µs; the whole run's,
+    # each side's CPU over all its rounds' requests, is ±3 µs.)
+    cpu = {name: sum(values) / len(values) for name, values in
+           results["cpu_us_per_request"].items()}
+    lines.append("  relay's CPU per request (all rounds): " + ", ".join(
+        f"{name} {value:.0f} µs" for name, value in cpu.items())
+        + f"; clients - plain {cpu['clients'] - cpu['plain']:+.0f} µs")
+    moved = median(results["differences_ms"]["clients - plain"])
+    ok = moved <= CLIENTS_TARGET_MS
+    lines.append(f"clients - plain: {moved:+.3f} ms (target ≤ {CLIENTS_TARGET_MS} ms) "
+                 f"{_verdict(ok)}")
+    return "\n".join(lines), ok
+
+
 def serve_relay_profiled(config: str, prefix: str) -> int:
     """``relay serve``, with cProfile on between SIGUSR1 and SIGUSR2 (stats: PREFIX.N)."""
     import cProfile
@@ -1432,7 +1578,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queued", type=int, metavar="N",
                         help=f"section 6's many waiters (default {QUEUED_MANY:,}; --quick: "
                         f"{QUICK.queued_many:,})")
+    parser.add_argument("--clients", action="store_true",
+                        help="only what [clients] tokens and the usage database add to the "
+                        "added p50 (issue 35): plain, clients and no-usage daemons")
+    parser.add_argument("--rounds", type=int, metavar="N",
+                        help="--clients: rounds (default 15; --quick: 3)")
     parser.add_argument("--serve-upstream", metavar="PORTFILE", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-relay-without-usage", metavar="CONFIG",
+                        help=argparse.SUPPRESS)
     parser.add_argument("--serve-relay-profiled", nargs=2, metavar=("CONFIG", "PREFIX"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -1441,6 +1594,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.serve_relay_profiled:
         return serve_relay_profiled(*args.serve_relay_profiled)
+    if args.serve_relay_without_usage:
+        return serve_relay_without_usage(args.serve_relay_without_usage)
+    if args.clients:
+        rounds = args.rounds or (3 if args.quick else 15)
+        with tempfile.TemporaryDirectory(prefix="relay-bench-") as tmp:
+            found = trio.run(run_clients_bench, rounds, 60 if args.quick else 200,
+                             Path(tmp))
+        text, ok = render_clients(found)
+        print(text)
+        if args.json:
+            Path(args.json).write_text(json.dumps(found, indent=2) + "\n")
+        return 0 if ok else 1
 
     sizes = QUICK if args.quick else Sizes()
     if args.queued:

@@ -19,26 +19,16 @@ read), then 127.0.0.1:8765, and say which URL they tried (`daemon_url`).
 from __future__ import annotations
 
 import argparse
-import functools
-import gc
 import logging
-import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import trio
+if TYPE_CHECKING:
+    from relay.config import Config
 
-from relay.adapters import ADAPTERS
-from relay.adapters.cli.process import become_subreaper
-from relay.config import Config, load_config
-from relay.front.guard import ACCESS_LOG
-from relay.shared.deployment import check_server
-from relay.vocab.errors import ConfigError
-
-from . import launch, service, usage
-from .describe import describe_config
-from .remote import DEFAULT_URL, _check, _ps, _status, daemon_url
-from .server import ListenError, serve
+# Each command imports what it uses, in its own branch of `main`: ``relay usage`` reads a
+# SQLite file and never imports the daemon (trio, the adapters, the front; ~0.4 s of a
+# command's start), and ``relay status`` never imports the server.
 
 GC_YOUNG_OBJECTS = 10_000  # gc's first threshold in the daemon (Python's default: 700)
 
@@ -48,6 +38,8 @@ logger = logging.getLogger("relay")
 
 
 def _parser() -> argparse.ArgumentParser:
+    from . import launch, usage
+    from .remote import DEFAULT_URL
     parser = argparse.ArgumentParser(prog="relay", description="A local daemon that relays AI "
                                      "requests to cloud APIs, local servers and "
                                      "command-line AI tools, with honest traffic control.")
@@ -107,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(path: str | None, overrides: dict[str, Any] | None = None) -> Config | None:
+    from relay.adapters import ADAPTERS
+    from relay.config import load_config
+    from relay.vocab.errors import ConfigError
     try:
         config = load_config(path, ADAPTERS, server_overrides=overrides)
     except ConfigError as exc:
@@ -124,8 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:
         return _launch(argv)
+    if argv[:1] == ["usage"]:
+        return _usage(argv)
     args = _parser().parse_args(argv)
     if args.command == "serve":
+        from relay.adapters.cli.process import become_subreaper
+        from relay.front.guard import ACCESS_LOG
+        from relay.vocab.errors import ConfigError
+
+        from . import service
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port))
                      if v is not None}
         if args.env_file is not None:
@@ -157,12 +159,20 @@ def main(argv: list[str] | None = None) -> int:
         # generation, whose full collections each walk every waiting request's objects
         # (~0.4 s with 2,000 queued streams, once every ~4 s). Cycles are still collected;
         # they wait a little longer. The daemon only: an embedding program keeps its own.
+        import gc
         gc.set_threshold(GC_YOUNG_OBJECTS, *gc.get_threshold()[1:])
         # SPEC O5: orphans of the CLI tools' processes come to relay, which ends them
         # with their turn (the daemon only: an embedding program keeps its own tree).
         become_subreaper()
         return _run_daemon(config)
     if args.command == "config":
+        import functools
+
+        import trio
+
+        from relay.shared.deployment import check_server
+
+        from .describe import describe_config
         config = _load(args.config)
         if config is None:
             return 2
@@ -173,19 +183,20 @@ def main(argv: list[str] | None = None) -> int:
                     check_server, url, prefix=config.server.coordination_prefix)):
                 print(line)
         return 0
+    from . import remote
     if args.command == "status":
-        return _status(daemon_url(args.url, args.config))
+        return remote._status(remote.daemon_url(args.url, args.config))
     if args.command == "service":
+        from . import service
         if args.service_command == "install":
             return service.install(args.kind, config_path=args.config,
                                    print_only=args.print_only)
         return service.uninstall(args.kind)
     if args.command == "check":
-        return _check(daemon_url(args.url, args.config), args.providers)
-    if args.command == "usage":
-        return usage.main(args)
+        return remote._check(remote.daemon_url(args.url, args.config), args.providers)
     if args.command == "ps":
-        return _ps(daemon_url(args.url, args.config, announce=not args.json), args.json)
+        return remote._ps(remote.daemon_url(args.url, args.config, announce=not args.json),
+                          args.json)
     return 2  # pragma: no cover - argparse refuses other commands
 
 
@@ -194,12 +205,28 @@ def _launch(argv: list[str]) -> int:
     agent's."""
     cut = argv.index("--") if "--" in argv else len(argv)
     args, passed = _parser().parse_known_args(argv[:cut])
+    from . import launch
+    from .remote import daemon_url
     return launch.main(args, passed + argv[cut + 1:],
                        daemon_url(args.url, args.config, announce=False))
 
 
+def _usage(argv: list[str]) -> int:
+    """``relay usage``, its own parser: what it imports is the usage database's reader
+    (and the config's loader when it reads the config), not the daemon's modules."""
+    from . import usage
+    parser = argparse.ArgumentParser(prog="relay")
+    usage.add_parser(parser.add_subparsers(dest="command", required=True))
+    return usage.main(parser.parse_args(argv))
+
+
 def _run_daemon(config: Config) -> int:
     """``trio.run(run_daemon)``; an address it cannot listen on is one line and exit 2."""
+    import trio
+
+    from relay.vocab.errors import ConfigError
+
+    from .server import ListenError
     failed: ListenError | None = None
     problems: list[str] = []
     try:
@@ -230,6 +257,13 @@ def _leaves(exc: BaseException) -> list[BaseException]:
 
 async def run_daemon(config: Config) -> None:
     """Serve until SIGTERM/SIGINT: the first drains (SPEC O3), a second stops at once."""
+    import signal
+
+    import trio
+
+    from relay.vocab.errors import ConfigError
+
+    from .server import serve
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         async def watch_signals(task_status: trio.TaskStatus[None]) -> None:

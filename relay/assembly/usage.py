@@ -20,8 +20,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from relay.adapters import ADAPTERS
-from relay.config import load_config
 from relay.usage import tail
 from relay.usage.db import connect, query, save, usage_db_path
 from relay.usage.report import (
@@ -34,7 +32,6 @@ from relay.usage.report import (
     window,
 )
 from relay.usage.rollup import Rollup
-from relay.vocab.errors import ConfigError
 
 __all__ = ["add_parser", "main", "read_records"]
 
@@ -85,6 +82,11 @@ def _source(args: argparse.Namespace) -> tuple[sqlite3.Connection, str] | str:
         if not Path(args.db).is_file():
             return f"no usage database at {args.db}"
         return connect(args.db, create=False), f"database {args.db}"
+    # Imported here, as the config is read: a question to a database (--db, --records)
+    # imports no more than the database's reader (bench.usage times both).
+    from relay.adapters import ADAPTERS
+    from relay.config import load_config
+    from relay.vocab.errors import ConfigError
     try:
         config = load_config(args.config, ADAPTERS)
     except ConfigError as exc:

@@ -26,7 +26,9 @@ import attrs
 import trio
 
 from relay.capacity.lanes import PRIORITIES
+from relay.config import ClientConfig
 from relay.dialects.base import ChatInput
+from relay.engine.clients import price_for
 from relay.engine.dispatch import Dispatcher
 from relay.engine.plan import Plan, Target, make_plan
 from relay.engine.stops import RequestStop
@@ -35,6 +37,7 @@ from relay.vocab.events import Call, Inbound
 
 from .asgi import header
 from .exchange import Exchange
+from .info import forbidden_model
 from .writers import JSONWriter, StreamWriter
 
 __all__ = ["CHANNEL_SIZE", "Chat", "plan_for", "priority_of", "reserve_cost"]
@@ -60,25 +63,46 @@ def priority_of(exchange: Exchange) -> str:
     return priority
 
 
-def plan_for(exchange: Exchange, model: str, fallbacks: Any) -> Plan:
+def plan_for(exchange: Exchange, model: str, fallbacks: Any, *, costs: bool = True) -> Plan:
     """The request's plan, for its client (SPEC L14): every model it names (the body's
-    ``fallbacks`` too) must be one its client may use (``forbidden_model`` 403), and its
-    per-day and per-month limits must not be spent (``client_limit`` 429), before
-    anything is queued."""
+    ``fallbacks`` too) must be one its client may use (``forbidden_model`` 403); under a
+    dollar limit every target must have a known price (`unpriced_under_limit`; ``costs``
+    False: a request that costs nothing, a token count); and its per-day and per-month
+    limits must not be spent (``client_limit`` 429) — before anything is queued."""
     clients = exchange.relay.clients
     client = clients.client(exchange.client)
     names = [model, *(f for f in fallbacks if isinstance(f, str))] if isinstance(
         fallbacks, list) else [model]
     refused = [name for name in names if not client.may_use(name)]
     if refused:
-        raise RelayError("forbidden_model", f"client {client.name!r} may not use "
-                         f"{', '.join(map(repr, refused))}; the models it may use: "
-                         f"{', '.join(client.models)}", param="model",
-                         action=f"name one of those models, or add it to models in "
-                                f"[clients.{client.name}]")
+        raise forbidden_model(client, refused)
     plan = make_plan(exchange.relay, model, fallbacks)
+    if costs and (client.usd_per_day or client.usd_per_month):
+        unpriced = [t for t in plan.targets if price_for(t.provider.config, t.model) is None]
+        if unpriced:
+            raise unpriced_under_limit(client, unpriced)
     clients.admit(client, exchange.record.id, None)
     return plan
+
+
+def unpriced_under_limit(client: ClientConfig, targets: list[Target]) -> RelayError:
+    """403 ``forbidden_model``: a client with a dollar limit names a model whose price
+    relay does not know. Its cost would be ``null`` (SPEC O7: never a guess), so it could
+    not count against the limit; a limit that lets such requests through unbounded would
+    mean nothing, and one that guessed a price would refuse or admit at random. The
+    client is told which model, and how to give it a price."""
+    limits = ", ".join(f"{key} ${getattr(client, key):g}" for key in (
+        "usd_per_day", "usd_per_month") if getattr(client, key))
+    names = ", ".join(repr(t.name) for t in targets)
+    first = targets[0]
+    return RelayError(
+        "forbidden_model", f"client {client.name!r} has a dollar limit ({limits}) and relay "
+        f"knows no price for {names}, so its cost could not count against the limit; "
+        "relay refuses it rather than let it through uncounted", param="model",
+        action=f"give the model a price (US dollars per million tokens): "
+               f"[providers.{first.provider.name}.prices.\"{first.model}\"] input = …, "
+               f"output = … (cached_input, cache_write too); or name a priced model; or "
+               f"remove the dollar limits of [clients.{client.name}]")
 
 
 def reserve_cost(exchange: Exchange, target: Target, call: Call) -> None:

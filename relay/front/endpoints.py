@@ -45,9 +45,9 @@ from .exchange import Exchange
 __all__ = ["CountTokens", "Embed"]
 
 
-def _plan(exchange: Exchange, model: str) -> tuple[Plan, Target]:
+def _plan(exchange: Exchange, model: str, *, costs: bool = True) -> tuple[Plan, Target]:
     refuse_when_draining(exchange)
-    plan = plan_for(exchange, model, None)
+    plan = plan_for(exchange, model, None, costs=costs)
     target = plan.targets[0]
     record = exchange.record
     record.route = plan.route.name if plan.route else None
@@ -160,7 +160,7 @@ class CountTokens:
         if lent:
             data["max_tokens"] = 1
         chat = parse_messages_body(dumps(data))
-        self.plan, target = _plan(exchange, chat.model)
+        self.plan, target = _plan(exchange, chat.model, costs=False)  # a count is free
         provider = target.provider
         adapter = provider.adapter
         params = {k: v for k, v in chat.params.items() if k != "stream"}

@@ -35,6 +35,7 @@ import attrs
 
 from relay.api.adapter import Embeddings
 from relay.capacity.estimate import estimate_input
+from relay.config import ClientConfig
 from relay.dialects.base import ChatInput, dumps
 from relay.dialects.gemini_generate import (
     GEMINI,
@@ -54,7 +55,7 @@ from .asgi import Receive, Scope, Send, header, send_error, send_json
 from .chat import Chat, priority_of
 from .endpoints import CountTokens, Embed, _plan
 from .exchange import Exchange
-from .info import find_model, refresh_models, route_names
+from .info import client_of, find_model, listed, refresh_models
 from .paths import GEMINI_METHODS
 
 __all__ = ["GeminiChat", "GeminiCount", "GeminiEmbed", "serve_gemini"]
@@ -76,13 +77,13 @@ def _model_name(name: str) -> str:
     return name.removeprefix("models/")
 
 
-async def _get(relay: Engine, name: str) -> dict[str, Any] | RelayError:
-    if not name:
+async def _get(relay: Engine, client: ClientConfig,
+               name: str) -> dict[str, Any] | RelayError:
+    if not name:  # the models this client may use (SPEC L14)
         await refresh_models(relay)
-        models = [_model_entry(route, "relay") for route in route_names(relay)]
-        models += [_model_entry(ident, ident.partition("/")[0]) for ident in relay.model_ids()]
-        return {"models": models}
-    found = await find_model(relay, _model_name(name))
+        return {"models": [_model_entry(ident, owner)
+                           for ident, owner in listed(relay, client)]}
+    found = await find_model(relay, client, _model_name(name))
     if isinstance(found, RelayError):
         return found
     return _model_entry(found["id"], found["owned_by"])
@@ -96,7 +97,7 @@ async def serve_gemini(relay: Engine, scope: Scope, receive: Receive, send: Send
     name = path.removeprefix(_PREFIX).removeprefix("/v1/models").removeprefix("/")
     if method == "GET":
         try:
-            answer = await _get(relay, name)
+            answer = await _get(relay, client_of(relay, scope), name)
         except Exception as exc:  # a bug: still a Google-shaped error, never a bare 500
             logger.error("%s crashed", path, exc_info=exc)
             answer = RelayError("internal_error", f"relay failed unexpectedly "
@@ -167,7 +168,7 @@ class GeminiCount(CountTokens):
                                  "object", param="generateContentRequest")
             body = dumps(inner)
         chat = parse_gemini_body(body, self.model, stream=False)
-        self.plan, target = _plan(exchange, chat.model)
+        self.plan, target = _plan(exchange, chat.model, costs=False)  # a count is free
         exchange.record.requested_model = chat.model
         provider = target.provider
         adapter = provider.adapter

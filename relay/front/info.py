@@ -6,6 +6,12 @@ page polls the status: these answer without Quart, so a relay whose status page 
 other routes of `relay.front.routes`) nobody opens never imports it (~10 MB and 0.2 s).
 Each is a GET (HEAD answers the same head without the body), never recorded: only the
 relay routes are (DESIGN invariant 5).
+
+A model list shows the models the asking client may use (SPEC L14: its ``[clients.NAME]
+models``, names and ``*`` patterns, matched against each name the list would show — a
+route by its name, a pattern route by its pattern, a provider's model as
+``PROVIDER/MODEL``); a model it may not use is ``forbidden_model`` when looked up, as when
+named in a request. Every dialect's list (Gemini's, Ollama's) filters through `listed`.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from typing import Any
 
 import trio
 
+from relay.config import ClientConfig
+from relay.config.clients import DEFAULT_CLIENT
 from relay.engine.engine import Engine
 from relay.engine.plan import pattern_for
 from relay.vocab.errors import RelayError
@@ -23,7 +31,8 @@ from relay.vocab.errors import RelayError
 from .asgi import Message, Scope, Send, send_error, send_json
 from .paths import Served
 
-__all__ = ["find_model", "refresh_models", "route_names", "serve_info"]
+__all__ = ["client_of", "find_model", "forbidden_model", "listed", "refresh_models",
+           "route_names", "serve_info"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +52,8 @@ async def serve_info(relay: Engine, scope: Scope, send: Send, served: Served) ->
     found = served.pattern.match(scope["path"])
     assert found is not None  # the front matched it
     try:
-        answer = await _ANSWERS[served.rule](relay, **found.groupdict())
+        answer = await _ANSWERS[served.rule](relay, client_of(relay, scope),
+                                             **found.groupdict())
     except Exception as exc:  # a bug: still an E1 body, never a bare 500
         logger.error("%s crashed", scope["path"], exc_info=exc)
         answer = RelayError("internal_error", f"relay failed unexpectedly "
@@ -61,7 +71,29 @@ def _without_body(send: Send) -> Send:
     return send_head
 
 
-async def _healthz(relay: Engine) -> dict[str, Any]:
+def client_of(relay: Engine, scope: Scope) -> ClientConfig:
+    """The client asking (SPEC L14), as the guard named it from its token."""
+    return relay.clients.client(scope.get("relay.client", DEFAULT_CLIENT))
+
+
+def listed(relay: Engine, client: ClientConfig) -> list[tuple[str, str]]:
+    """The model list ``client`` sees, as ``(name, owner)``: the exact routes (owner
+    ``relay``), then every provider's ``PROVIDER/MODEL`` — those it may use."""
+    names = [(name, "relay") for name in route_names(relay)]
+    names += [(ident, ident.partition("/")[0]) for ident in relay.model_ids()]
+    return [(name, owner) for name, owner in names if client.may_use(name)]
+
+
+def forbidden_model(client: ClientConfig, refused: list[str]) -> RelayError:
+    """403 ``forbidden_model``: ``client`` may not use the models ``refused``."""
+    return RelayError("forbidden_model", f"client {client.name!r} may not use "
+                      f"{', '.join(map(repr, refused))}; the models it may use: "
+                      f"{', '.join(client.models)}", param="model",
+                      action=f"name one of those models, or add it to models in "
+                             f"[clients.{client.name}]")
+
+
+async def _healthz(relay: Engine, client: ClientConfig) -> dict[str, Any]:
     return {"status": "draining" if relay.draining else "ok"}
 
 
@@ -71,11 +103,10 @@ async def _refresh_models(relay: Engine) -> None:
             nursery.start_soon(provider.refresh_models)
 
 
-async def _models(relay: Engine) -> dict[str, Any]:
+async def _models(relay: Engine, client: ClientConfig) -> dict[str, Any]:
     await _refresh_models(relay)
-    data = [_entry(name, "relay") for name in route_names(relay)]
-    data += [_entry(ident, ident.partition("/")[0]) for ident in relay.model_ids()]
-    return {"object": "list", "data": data}
+    return {"object": "list",
+            "data": [_entry(name, owner) for name, owner in listed(relay, client)]}
 
 
 def route_names(relay: Engine) -> list[str]:
@@ -84,9 +115,13 @@ def route_names(relay: Engine) -> list[str]:
     return [name for name, route in relay.config.routes.items() if not route.is_pattern]
 
 
-async def _model(relay: Engine, model: str) -> dict[str, Any] | RelayError:
+async def _model(relay: Engine, client: ClientConfig,
+                 model: str) -> dict[str, Any] | RelayError:
     """One entry of ``/v1/models`` (SPEC A1, A8): a route name, ``PROVIDER/MODEL`` (the
-    model may hold ``/``), or a bare model exactly one provider lists."""
+    model may hold ``/``), or a bare model exactly one provider lists; one the client
+    may not use is ``forbidden_model`` (SPEC L14)."""
+    if not client.may_use(model):
+        return forbidden_model(client, [model])
     await _refresh_models(relay)
     if model in route_names(relay):
         return _entry(model, "relay")
@@ -106,7 +141,7 @@ async def _model(relay: Engine, model: str) -> dict[str, Any] | RelayError:
     return RelayError("unknown_model", f"model {model!r} {words}", param="model")
 
 
-async def _status(relay: Engine) -> dict[str, Any]:
+async def _status(relay: Engine, client: ClientConfig) -> dict[str, Any]:
     # Built without a checkpoint from one provider set: a reload swaps it whole (SPEC L10).
     # ``requests``: what runs and waits now, every provider's (`relay ps`).
     providers = relay.providers

@@ -96,3 +96,22 @@ def test_relay_usage_by_day_over_a_generated_year(tmp_path: Path) -> None:
     assert round(report["total"]["cost_usd"], 2) == round(cost, 2)
     assert report["total"]["unpriced"] == sum(
         1 for r in records if r["usage"] and r["cost_usd"] is None)
+
+
+def test_relay_usage_on_a_database_imports_none_of_the_daemon(tmp_path: Path) -> None:
+    # A person's `relay usage` starts in a few tens of milliseconds: it reads SQLite and
+    # imports neither trio, httpx, Quart nor relay's engine and front (~0.4 s).
+    path = tmp_path / "records.jsonl"
+    write_lines(path, generated(50))
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "relay", "usage",
+                           "--records", str(path), "--json"], cwd=tmp_path,
+                          env=child_env(tmp_path), capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["total"]["requests"] == 50
+    imported = {line.rpartition("|")[2].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "relay.usage.db" in imported
+    heavy = {"trio", "httpx", "quart", "attrs", "relay.engine", "relay.front",
+             "relay.adapters", "relay.assembly.relay"}
+    assert not imported & heavy, sorted(imported & heavy)

@@ -4,7 +4,8 @@
 ==========================================  ===============================================
 ``GET /`` (on ``ollama_port``; HEAD too)     ``Ollama is running`` (what apps probe)
 ``GET /api/version``                        `VERSION`
-``GET /api/tags``                           every route and provider/model
+``GET /api/tags``                           every route and provider/model (those the
+                                            client may use: SPEC L14)
 ``POST /api/show``                          one of them: its capabilities (the adapter's,
                                             `relay.api.adapter.Capabilities`) and context
                                             length
@@ -28,6 +29,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from relay.config import ClientConfig
 from relay.dialects.ollama import OLLAMA, OllamaDialect
 from relay.dialects.openai_chat import load_json
 from relay.engine.engine import Engine
@@ -36,7 +38,7 @@ from relay.vocab.errors import RelayError
 
 from ..asgi import Receive, Scope, Send, send_error, send_json
 from ..exchange import Exchange
-from ..info import find_model, refresh_models
+from ..info import client_of, find_model, refresh_models
 from .handlers import OllamaChat, OllamaEmbed, resolve_name
 
 __all__ = ["VERSION", "serve_ollama"]
@@ -68,21 +70,24 @@ def _entry(name: str, family: str) -> dict[str, Any]:
             "digest": _digest(name), "details": _details(family)}
 
 
-async def _tags(relay: Engine) -> dict[str, Any]:
+async def _tags(relay: Engine, client: ClientConfig) -> dict[str, Any]:
+    """Every route (a pattern route by its pattern) and provider/model the client may
+    use."""
     await refresh_models(relay)
     models = [_entry(route, "relay") for route in relay.config.routes]
     models += [_entry(ident, relay.providers[ident.partition("/")[0]].config.adapter)
                for ident in relay.model_ids()]
-    return {"models": models}
+    return {"models": [m for m in models if client.may_use(m["name"])]}
 
 
-async def _ps(relay: Engine) -> dict[str, Any]:
-    """The models with requests in flight (running, queued or stopping), once each."""
+async def _ps(relay: Engine, client: ClientConfig) -> dict[str, Any]:
+    """The models with requests in flight (running, queued or stopping), once each;
+    those the client may use."""
     seen: dict[str, dict[str, Any]] = {}
     for provider in relay.providers.values():
         for request in provider.requests(relay.clock):
             name = request.get("route") or f"{provider.name}/{request['model']}"
-            if name not in seen:
+            if name not in seen and client.may_use(name):
                 seen[name] = {**_entry(name, provider.config.adapter), "size_vram": 0,
                               "expires_at": _EPOCH, "context_length": _context(provider)}
     return {"models": list(seen.values())}
@@ -92,7 +97,8 @@ def _context(provider: Any) -> int:
     return int(provider.adapter.capabilities.context_tokens) or DEFAULT_CONTEXT
 
 
-async def _show(relay: Engine, body: bytes) -> dict[str, Any] | RelayError:
+async def _show(relay: Engine, client: ClientConfig,
+                body: bytes) -> dict[str, Any] | RelayError:
     data = load_json(body)
     name = (data.get("model") or data.get("name")) if isinstance(data, dict) else None
     if not isinstance(name, str) or not name:
@@ -100,7 +106,7 @@ async def _show(relay: Engine, body: bytes) -> dict[str, Any] | RelayError:
                           param="model")
     await refresh_models(relay)
     name = resolve_name(relay, name)
-    found = await find_model(relay, name)
+    found = await find_model(relay, client, name)
     if isinstance(found, RelayError):
         return found
     provider = make_plan(relay, name, None).targets[0].provider
@@ -118,11 +124,11 @@ async def _show(relay: Engine, body: bytes) -> dict[str, Any] | RelayError:
             "capabilities": capabilities}
 
 
-async def _version(relay: Engine) -> dict[str, Any]:
+async def _version(relay: Engine, client: ClientConfig) -> dict[str, Any]:
     return {"version": VERSION}
 
 
-_GETS: dict[str, Callable[[Engine], Any]] = {"/api/tags": _tags, "/api/ps": _ps,
+_GETS: dict[str, Callable[[Engine, ClientConfig], Any]] = {"/api/tags": _tags, "/api/ps": _ps,
                                               "/api/version": _version}
 
 
@@ -161,7 +167,9 @@ async def serve_ollama(relay: Engine, scope: Scope, receive: Receive, send: Send
 async def _answer(relay: Engine, scope: Scope, send: Send, body: bytes) -> None:
     path = scope["path"]
     try:
-        answer = await (_show(relay, body) if path == "/api/show" else _GETS[path](relay))
+        client = client_of(relay, scope)
+        answer = await (_show(relay, client, body) if path == "/api/show"
+                        else _GETS[path](relay, client))
     except RelayError as exc:
         answer = exc
     except Exception as exc:  # a bug: still an Ollama-shaped error, never a bare 500
