@@ -126,7 +126,7 @@ class Gate:
         """`enter` for a chat attempt: its tokens estimated (input and output
         reservation) and settled to its ``usage`` as it leaves; its wait at the gate is
         queue time in its ``record``."""
-        if self._admit is not None:
+        if self._admit is not None and self._shared() is not None:
             await self._admit(record.id)  # (``client_limit`` before anything is queued)
         began = trio.current_time()
         tokens = estimate_input(call) + output_reservation(call, None)

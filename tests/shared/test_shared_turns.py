@@ -13,7 +13,7 @@ import pytest
 import trio
 from fakes.upstream import FakeUpstream, Script
 from helpers.assembled import start_relay, wait_for
-from helpers.redis_server import RedisServer
+from helpers.redis_server import RedisServer, acl_user_only
 from helpers.shared_helpers import body, shared_config
 
 from relay import Served
@@ -65,6 +65,7 @@ async def all_idle(redis: RedisServer) -> None:
                    and queued(redis) == 0, limit_s=10)
 
 
+@acl_user_only  # (the room's long tests run as the documented ACL user only)
 async def test_a_light_clients_request_starts_within_one_answer_of_a_heavy_burst_elsewhere(
         tmp_path: Path, redis: RedisServer, upstream: FakeUpstream,
         client: httpx.AsyncClient) -> None:
@@ -86,10 +87,14 @@ async def test_a_light_clients_request_starts_within_one_answer_of_a_heavy_burst
             await ask(client, r1, "light", "light 0", "up/slow", light)
             took = trio.current_time() - asked
             assert light == ["light 0:200"]
+            print(f"light's request answered in {took:.2f} s (0.4 s answers, 2 lanes, "
+                  f"heavy's 30 queued on another relay)")
             order = texts(upstream)
             # It was the next start: at most the other lane's next start came first.
             assert order.index("light 0") <= seen + 1, (seen, order, took)
-            assert took <= 0.4 + 0.4 + 0.6, took  # its answer, plus at most one answer
+            # Its answer, plus at most one answer (and margin for a loaded machine); FIFO
+            # would be 15 rounds (6 s).
+            assert took <= 0.4 + 0.4 + 1.5, took
             assert queued(redis) >= 26  # the heavy burst still waits
             heavy.cancel_scope.cancel()
         await all_idle(redis)
