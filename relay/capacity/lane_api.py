@@ -4,16 +4,17 @@ Two implementations keep the same contract (SPEC L6-L11): `relay.capacity.lanes.
 provider's slots counted in this process, and `relay.shared.lane.SharedLane`, the
 same slots, queue and pacer counted across every relay on one Redis/Valkey server
 (``shared = true``). The dispatcher cannot tell them apart: ``async with
-lane.slot(priority)`` waits (priority classes, FIFO within a class, ``queue_max``, the
-queue timeout, the pacer) and holds one slot for the body, given back only after the body
-— the adapter's scope, cleanup included — has exited. A grant that races a cancel is
-handed back, never leaked. A shared lane may also end the body itself: when this relay
-cannot renew the slot's lease in time, the body is cancelled and the ``async with`` raises
-``coordination_lost`` (before the lease can expire on the server).
+lane.slot(priority)`` waits (priority classes, turns between clients within a class,
+``queue_max``, the queue timeout, the pacer) and holds one slot for the body, given back
+only after the body — the adapter's scope, cleanup included — has exited. A grant that
+races a cancel is handed back, never leaked. A shared lane may also end the body itself:
+when this relay cannot renew the slot's lease in time, the body is cancelled and the
+``async with`` raises ``coordination_lost`` (before the lease can expire on the server).
 
-Turns between clients inside a class (SPEC L14) are the local lane's so far:
-``Lane.slot(priority, client=..., weight=...)``; a shared lane's queue is FIFO inside a
-class across relays (docs/architecture.md, "The queue's rule").
+Turns between clients inside a class (SPEC L14) are both lanes' rule:
+``slot(priority, client=..., weight=...)`` on a `Lane` and on a `SharedLane` (whose queue
+on the coordination server takes the same turns across relays: docs/architecture.md,
+"The queue's rule"); without a client, a request is ``default``'s (FIFO inside a class).
 """
 
 from __future__ import annotations

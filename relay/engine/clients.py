@@ -26,14 +26,22 @@ Theory of operation.
   providers, ``rpm`` their starts in any 60 s, ``tpm`` their estimated tokens (input and
   output reservation) in any 60 s, settled to what they used.
 
-Everything here is per relay: relays sharing providers (SPEC L11) count their clients'
-limits each on its own (the coordination server does not hold them yet).
+- **Across relays** (SPEC L11): with ``[server] coordination_url`` set, the coordination
+  server holds what must hold for a client on every relay (`shared`,
+  `relay.shared.client_limits`): a chat request admitted here is admitted there too
+  (`confirm`, as its first attempt reaches its client's gate: every relay's spend today
+  and this month, each written by its relay as the total of its own records, plus the
+  reservations of every relay's running requests), and its record writes this relay's
+  spend there and ends its reservation; the gate's ``rpm`` and ``tpm`` are counted there.
+  ``tokens_per_day`` goes the same way (each relay's total). ``lanes`` stays per relay.
+  Without the server (or while it is unreachable), each relay counts on its own.
 """
 
 from __future__ import annotations
 
 import collections
 import datetime as dt
+import functools
 import json
 import logging
 import math
@@ -46,6 +54,7 @@ import trio
 
 from relay.capacity.estimate import estimate_input, output_reservation
 from relay.config import ClientConfig, Config
+from relay.shared.client_limits import SharedClientLimits
 from relay.vocab.errors import RelayError
 from relay.vocab.events import Call
 from relay.vocab.prices import FREE, Price, cost_of, lookup, packaged
@@ -102,6 +111,11 @@ class Clients:
         self._reserved: dict[str, tuple[str, float]] = {}  # request id → (client, usd)
         self._reserved_by: dict[str, float] = collections.defaultdict(float)
         self._gates: dict[str, Gate] = {}
+        # SPEC L11: the coordination server's side (set when relay has one), and the
+        # requests it admitted (request id -> client).
+        self.shared: SharedClientLimits | None = None
+        self.relay_id = ""
+        self._confirmed: dict[str, str] = {}
 
     # --- who --------------------------------------------------------------------------
     def client(self, name: str) -> ClientConfig:
@@ -112,7 +126,8 @@ class Clients:
     def gate(self, name: str) -> Gate:
         gate = self._gates.get(name)
         if gate is None:
-            gate = self._gates[name] = Gate(name, self.client)
+            gate = self._gates[name] = Gate(name, self.client, shared=lambda: self.shared,
+                                            admit=functools.partial(self.confirm, name))
         return gate
 
     # --- cost and spend -----------------------------------------------------------------
@@ -128,6 +143,51 @@ class Clients:
         if record.route != CHECK_ROUTE:
             self._add(record.client, self.clock.wall(record.started_at), record.usage,
                       record.cost_usd)
+        self._confirmed.pop(record.id, None)
+        if (self.shared is not None and record.route != CHECK_ROUTE
+                and self.client(record.client).spend_limited):
+            day, month = _windows(self.clock.wall(trio.current_time()))
+            self.shared.spent_soon(record.client, self.relay_id, day, month,
+                                   self._mine(record.client), record.id)
+
+    def _mine(self, client: str) -> tuple[float, int, float]:
+        """This relay's own spend of ``client``: dollars today, tokens today, dollars
+        this month (UTC)."""
+        day, month = _windows(self.clock.wall(trio.current_time()))
+        today = self._spent.get((client, day), _Spent())
+        return today.usd, today.tokens, self._spent.get((client, month), _Spent()).usd
+
+    async def confirm(self, name: str, request_id: str) -> None:
+        """Admit a request of client ``name`` across relays (SPEC L11): every relay's
+        spend and running reservations on the coordination server, under its per-day and
+        per-month limits; its estimated dollars reserved there. Once per request (its
+        first attempt); nothing without a server or a limit, or when the server cannot be
+        asked (this relay's own admission stands).
+
+        Raises:
+            RelayError: ``client_limit``, Retry-After the window's reset.
+        """
+        client = self.client(name)
+        shared = self.shared
+        if shared is None or not client.spend_limited or request_id in self._confirmed:
+            await trio.lowlevel.checkpoint()
+            return
+        now = self.clock.wall(trio.current_time())
+        day, month = _windows(now)
+        estimate = self._reserved.get(request_id, (name, 0.0))[1]
+        said = await shared.admit(name, self.relay_id, day, month, self._mine(name),
+                                  request_id, estimate,
+                                  (client.usd_per_day, client.usd_per_month,
+                                   float(client.tokens_per_day)))
+        if said is None:
+            return
+        if said.ok:
+            self._confirmed[request_id] = name
+            if len(self._confirmed) > 4096:  # (a fan-out's branches have no record)
+                del self._confirmed[next(iter(self._confirmed))]
+            return
+        self._refuse(client, now, _Spent(said.tokens_today, said.usd_today),
+                     _Spent(0, said.usd_this_month), said.reserved, " across relays")
 
     def cost(self, record: Record) -> float | None:
         """What ``record``'s usage cost at its provider's price for its model."""
@@ -171,10 +231,18 @@ class Clients:
         now = self.clock.wall(trio.current_time())
         self._prune(now)
         day, month = _windows(now)
+        self._refuse(client, now, self._spent.get((client.name, day), _Spent()),
+                     self._spent.get((client.name, month), _Spent()),
+                     self._reserved_by.get(client.name, 0.0))
+        if estimate_usd and (client.usd_per_day or client.usd_per_month):
+            self._reserved[request_id] = (client.name, estimate_usd)
+            self._reserved_by[client.name] += estimate_usd
+
+    def _refuse(self, client: ClientConfig, now: float, today: _Spent, this_month: _Spent,
+                reserved: float, where: str = "") -> None:
+        """``client_limit`` when a window of ``client`` is spent (``where``: the spend
+        is every relay's)."""
         day_end, month_end = _resets(now)
-        today = self._spent.get((client.name, day), _Spent())
-        this_month = self._spent.get((client.name, month), _Spent())
-        reserved = self._reserved_by.get(client.name, 0.0)
         over: list[tuple[str, str, float]] = []
         if client.tokens_per_day and today.tokens >= client.tokens_per_day:
             over.append(("tokens_per_day", f"{today.tokens} tokens today of its "
@@ -192,13 +260,10 @@ class Clients:
             keys = ", ".join(key for key, _, _ in over)
             when = dt.datetime.fromtimestamp(reset, tz=dt.UTC).strftime("%Y-%m-%dT%H:%MZ")
             raise RelayError(
-                "client_limit", f"client {client.name!r} has used its limit for now: "
-                f"{'; '.join(said for _, said, _ in over)}; it resets at {when} (UTC)",
-                retry_after_s=max(1.0, math.ceil(reset - now)),
+                "client_limit", f"client {client.name!r} has used its limit for now"
+                f"{where}: {'; '.join(said for _, said, _ in over)}; it resets at {when} "
+                "(UTC)", retry_after_s=max(1.0, math.ceil(reset - now)),
                 action=f"wait for the reset, or raise {keys} in [clients.{client.name}]")
-        if estimate_usd and (client.usd_per_day or client.usd_per_month):
-            self._reserved[request_id] = (client.name, estimate_usd)
-            self._reserved_by[client.name] += estimate_usd
 
     def reserve_more(self, client: ClientConfig, request_id: str, usd: float | None) -> None:
         """One more estimate for an admitted request (a fan-out's next branch)."""

@@ -22,6 +22,7 @@ from relay.api.adapter import Adapter
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import Lane
 from relay.config import Config, load_config
+from relay.shared.client_limits import SharedClientLimits
 from relay.shared.coordinator import Coordinator
 from relay.shared.lane import SharedLane
 from relay.usage.store import UsageStore
@@ -89,11 +90,16 @@ class Engine:
                 relays already sharing it agreed on (SPEC L11).
         """
         url = self.config.coordination_url()
-        if self.config.shared_providers and url:
+        limited = any(c.minute_limited or c.spend_limited
+                      for c in self.config.clients.values())
+        if (self.config.shared_providers or limited) and url:
             server = self.config.server
             self.coordinator = Coordinator(url, prefix=server.coordination_prefix,
                                            lease_s=server.coordination_lease_s,
                                            relay_id=self.config.relay_id)
+            # SPEC L14 with L11: clients' limits held across relays on the same server.
+            self.clients.shared = SharedClientLimits(self.coordinator)
+            self.clients.relay_id = self.config.relay_id
         for name, pconf in self.config.providers.items():
             self.providers[name] = self._provider(pconf, await self._open_adapter(pconf))
         if self.coordinator is not None:

@@ -7,16 +7,25 @@ one of the client's lanes until it leaves its provider's lane. ``lanes`` counts 
 client's attempts running at once, across providers; ``rpm`` its starts in any 60 s
 (the providers' own pacer, `relay.capacity.pacer`); ``tpm`` its tokens in any 60 s:
 each attempt's estimate (input and output reservation) as it starts, settled to what it
-used as it leaves. The gate is per relay (relays sharing providers, SPEC L11, count
-their clients each on its own).
+used as it leaves.
+
+Across relays (SPEC L11: ``[server] coordination_url`` set), ``rpm`` and ``tpm`` hold for
+every relay together: the head of the gate, once this relay's own count lets it pass,
+asks the coordination server (`relay.shared.client_limits`), which counts the start or
+says how long to wait — waited exactly like a limit of its own. A chat attempt's request
+is first admitted there under its client's per-day and per-month limits (``admit``, once
+per request: `relay.engine.clients`). ``lanes`` stays per relay. The order of the
+waiters is each relay's own (arrival, on that relay); across relays, whichever head asks
+first when the minute allows.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Protocol
 
 import trio
 
@@ -27,16 +36,29 @@ from relay.vocab.errors import RelayError
 from relay.vocab.events import Call, LaneStatistics, Usage
 from relay.vocab.records import Record
 
-__all__ = ["Gate"]
+__all__ = ["Gate", "SharedMinute"]
+
+
+class SharedMinute(Protocol):
+    """What the gate asks of the coordination server (`relay.shared.client_limits`)."""
+
+    def new_member(self) -> str: ...
+    async def start(self, client: str, member: str, tokens: int, rpm: float, tpm: float
+                    ) -> tuple[str, float, float] | None: ...
+    def used_soon(self, client: str, member: str, estimate: int, used: int) -> None: ...
 
 
 class Gate:
     """One client's per-minute limits and lanes (SPEC L14): its attempts pass here, in
     order, before they enter their provider's lane."""
 
-    def __init__(self, name: str, settings: Callable[[str], ClientConfig]) -> None:
+    def __init__(self, name: str, settings: Callable[[str], ClientConfig], *,
+                 shared: Callable[[], SharedMinute | None] = lambda: None,
+                 admit: Callable[[str], Awaitable[None]] | None = None) -> None:
         self.name = name
         self._settings = settings
+        self._shared = shared  # the coordination server's count, when there is one
+        self._admit = admit    # a request's admission across relays (per day and month)
         self.running = 0
         self._pacer = Pacer()
         self._tokens: collections.deque[list[float]] = collections.deque()  # [at, tokens]
@@ -79,6 +101,24 @@ class Gate:
                         f"minute used ([clients.{self.name}] tpm)", self._tokens[0][0] + 60.0)
         return None, now
 
+    async def _across(self, shared: SharedMinute, member: str, config: ClientConfig,
+                      tokens: int) -> tuple[str | None, float]:
+        """Ask the coordination server for the start (it counts it, or says how long to
+        wait): what holds it back, in words, and until when; (None, now) to go (the
+        server counted it, or could not be asked: this relay's own count stands)."""
+        said = await shared.start(self.name, member, tokens, config.rpm, config.tpm)
+        now = trio.current_time()
+        if said is None or said[0] == "ok":
+            return None, now
+        limit, wait_s, seen = said
+        where = f"client {self.name!r}"
+        if limit == "rpm":
+            return (f"{where}'s rpm limit of {config.rpm:g} requests a minute across "
+                    f"relays ({seen:.0f} started in the last minute; [clients.{self.name}] "
+                    "rpm)", now + wait_s)
+        return (f"{where}'s tpm limit across relays: {seen:.0f} of its {config.tpm:g} "
+                f"tokens a minute used ([clients.{self.name}] tpm)", now + wait_s)
+
     @asynccontextmanager
     async def enter_call(self, call: Call, queue_timeout_s: float,
                          on_wait: Callable[[], None], record: Record,
@@ -86,6 +126,8 @@ class Gate:
         """`enter` for a chat attempt: its tokens estimated (input and output
         reservation) and settled to its ``usage`` as it leaves; its wait at the gate is
         queue time in its ``record``."""
+        if self._admit is not None and self._shared() is not None:
+            await self._admit(record.id)  # (``client_limit`` before anything is queued)
         began = trio.current_time()
         tokens = estimate_input(call) + output_reservation(call, None)
         async with self.enter(tokens, began + queue_timeout_s, on_wait) as passed:
@@ -116,12 +158,18 @@ class Gate:
         me = object()
         self._waiting.append(me)
         told = False
+        member: str | None = None  # its start on the coordination server, once counted
+        shared = self._shared()
         try:
             while True:
                 now = trio.current_time()
                 config = self._settings(self.name)
                 why, until = (self._blocked(config, tokens, now) if self._waiting[0] is me
                               else ("earlier requests of the same client", math.inf))
+                if why is None and shared is not None and (config.rpm or config.tpm):
+                    member = member or shared.new_member()
+                    why, until = await self._across(shared, member, config, tokens)
+                    now = trio.current_time()
                 if why is None:
                     break
                 if self._waiting[0] is me:
@@ -149,19 +197,26 @@ class Gate:
         entry = [now, float(tokens)]
         self._tokens.append(entry)
         try:
-            yield _Pass(entry)
+            yield _Pass(entry, self.name, shared if member else None, member, tokens)
         finally:
             self.running -= 1
             self._poke()
 
 
 class _Pass:
-    """An attempt through its client's gate: what it used is settled here."""
+    """An attempt through its client's gate: what it used is settled here (and on the
+    coordination server, when its start was counted there)."""
 
-    def __init__(self, entry: list[float] | None) -> None:
+    def __init__(self, entry: list[float] | None, client: str = "",
+                 shared: SharedMinute | None = None, member: str | None = None,
+                 estimate: int = 0) -> None:
         self._entry = entry
+        self._client, self._shared, self._member = client, shared, member
+        self._estimate = estimate
 
     def used(self, tokens: int) -> None:
         """The attempt used ``tokens`` (its reported usage), not its estimate."""
         if self._entry is not None:
             self._entry[1] = float(tokens)
+        if self._shared is not None and self._member is not None:
+            self._shared.used_soon(self._client, self._member, self._estimate, tokens)

@@ -13,10 +13,9 @@ The dispatcher calls these around the adapter, inside the attempt's lane slot:
 - `wait_out`: whether a 429 that set a hold is waited out on the same target (a stream
   whose 200 is already out never ends in a 429 it could have waited out).
 
-A shared lane (SPEC L11) has no budgets here: its slot is taken as it always was. The
-request's client and weight (SPEC L14: turns between clients inside a class) go to a
-local lane; a shared lane's queue on the coordination server is still FIFO inside a
-class across relays (turns there are not built yet: docs/architecture.md).
+A shared lane (SPEC L11) keeps its budgets on the coordination server (`_shared_slot`).
+The request's client and weight (SPEC L14: turns between clients inside a class) go to
+either lane: a shared lane's queue on the server takes the same turns across relays.
 """
 
 from __future__ import annotations
@@ -84,7 +83,8 @@ def slot(dispatcher: Attempting, run_: Run, on_queued: Callable[[], None]
     run_.has_fallback = run_.target is not dispatcher.plan.targets[-1]
     if isinstance(lane, SharedLane):
         return _shared_slot(lane, run_, priority, on_queued,
-                            probe=dispatcher.record.route == "(check)")
+                            probe=dispatcher.record.route == "(check)",
+                            client=dispatcher.client, weight=dispatcher.client_weight)
     if not isinstance(lane, Lane):
         return lane.slot(priority, on_queued=on_queued)
     prefer = None
@@ -99,12 +99,14 @@ def slot(dispatcher: Attempting, run_: Run, on_queued: Callable[[], None]
 
 @asynccontextmanager
 async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
-                       on_queued: Callable[[], None], *, probe: bool
+                       on_queued: Callable[[], None], *, probe: bool,
+                       client: str = "default", weight: float = 1.0
                        ) -> AsyncIterator[Ticket]:
     """A shared lane's slot, then the attempt's need from the budgets every relay sharing
     the provider keeps on the coordination server (`SharedBudget`)."""
     need = need_of(run_, lane.tokens.learned)
-    async with lane.slot(priority, on_queued=on_queued) as ticket:
+    async with lane.slot(priority, client=client, weight=weight,
+                         on_queued=on_queued) as ticket:
         need = need.current()  # (the estimate learned while it waited for the slot)
         deadline = ticket.queued_at + lane.profile.queue_timeout_s
         waited, held_by, kinds = await lane.tokens.take(need, deadline=deadline,

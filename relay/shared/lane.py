@@ -5,8 +5,10 @@ holders with their leases, the waiters in (priority class, arrival) order, the s
 profile, the pacer); this object is one relay's view of it and keeps the contract of
 `relay.capacity.lanes.Lane` (`relay.capacity.lane_api.LaneLike`):
 
-- ``async with lane.slot(priority)``: one `ACQUIRE` script either grants a slot at once,
-  queues the request (``queue_max`` counted globally: ``provider_queue_full`` when every
+- ``async with lane.slot(priority, client=..., weight=...)``: one `ACQUIRE` script either
+  grants a slot at once, queues the request in the local lane's order — priority class,
+  then turns between clients by weight (SPEC L14, `lane_scripts`), one queue across
+  relays — (``queue_max`` counted globally: ``provider_queue_full`` when every
   relay's waiters together fill it) or refuses it. A queued request waits for its grant
   — a published message, or any script's reply that lists it — within its own
   ``queue_timeout_s`` (timeouts may differ per relay); the pacer's "not yet" comes back
@@ -54,7 +56,9 @@ from .budget import SharedBudget
 from .coordinator import Coordinator
 from .errors import capacity_error, lost_error, mismatch_problem
 
-__all__ = ["SharedLane"]
+__all__ = ["TURN", "SharedLane"]
+
+TURN = 1 << 20  # a weight-1 client's turn, in the scripts' integer ticks (SPEC L14)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +79,8 @@ class _Member:
     lost: bool = False      # the server took its slot back
     task: trio.lowlevel.Task = attrs.field(factory=trio.lowlevel.current_task)  # its own
     on_queued: Callable[[], None] | None = None  # (the token queue's notices too)
+    client: str = "default"  # SPEC L14: whose request it is, for turns between clients
+    step: int = TURN         # ... and how far a start moves its client on (TURN / weight)
 
 
 class SharedLane:
@@ -179,16 +185,26 @@ class SharedLane:
 
     # --- the slot -------------------------------------------------------------------------
     @asynccontextmanager
-    async def slot(self, priority: str = "normal", *,
-                   on_queued: Callable[[], None] | None = None) -> AsyncIterator[Ticket]:
+    async def slot(self, priority: str = "normal", *, client: str = "default",
+                   weight: float = 1.0, on_queued: Callable[[], None] | None = None
+                   ) -> AsyncIterator[Ticket]:
         """Hold one slot, counted across relays, for the body of the ``async with``.
+
+        Args:
+            priority: ``interactive``, ``normal`` or ``background``.
+            client: who asks (SPEC L14): inside a class, clients take turns, whichever
+                relay their requests are on.
+            weight: the client's share of the turns; positive and finite.
+            on_queued: called (synchronously) when the request has to wait.
 
         Raises:
             RelayError: ``provider_queue_full``, ``provider_queue_timeout``,
                 ``coordination_unavailable``; ``coordination_lost`` after the body when
                 the lease could not be kept.
         """
-        m = await self._acquire(priority, on_queued)
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ValueError(f"a client's weight must be positive and finite, not {weight!r}")
+        m = await self._acquire(priority, on_queued, client, max(1, round(TURN / weight)))
         try:
             with m.scope:
                 yield m.ticket
@@ -209,7 +225,8 @@ class SharedLane:
         if m.scope.cancelled_caught:
             raise self._lost_error(m)
 
-    async def _acquire(self, priority: str, on_queued: Callable[[], None] | None) -> _Member:
+    async def _acquire(self, priority: str, on_queued: Callable[[], None] | None,
+                       client: str, step: int) -> _Member:
         rank = PRIORITIES.get(priority)
         if rank is None:
             raise ValueError(f"unknown priority {priority!r}; one of {', '.join(PRIORITIES)}")
@@ -220,14 +237,14 @@ class SharedLane:
             raise self._coord.unavailable(self.name)
         now = trio.current_time()
         m = _Member(self._coord.new_member(), rank, Ticket(priority=priority, queued_at=now),
-                    on_queued=on_queued)
+                    on_queued=on_queued, client=client, step=step)
         self._waiters[m.member] = m  # before the call: a grant may be published at once
         self._busy()
         try:
-            status = await self._call("ACQUIRE", m.member, rank)
+            status = await self._call("ACQUIRE", m.member, rank, client, step)
             if status == "stale":  # the server's state was made anew: register first
                 await self.sync()
-                status = await self._call("ACQUIRE", m.member, rank)
+                status = await self._call("ACQUIRE", m.member, rank, client, step)
             if status == "full":
                 m.on_server = False
                 raise self._capacity_error("provider_queue_full")
@@ -369,10 +386,11 @@ class SharedLane:
         holders = list(self._holders)
         # Only waiters the server has queued: one whose ACQUIRE is still on its way would
         # be reported gone (or, after a lost state, queued twice).
-        waiters = [(name, m.rank) for name, m in self._waiters.items() if m.queued]
+        waiters = [(name, m.rank, m.client, m.step) for name, m in self._waiters.items()
+                   if m.queued]
         mode = mode or ("start" if not self.epoch else "renew")
         args = [mode, len(holders), *holders, len(waiters),
-                *(x for pair in waiters for x in pair)]
+                *(x for four in waiters for x in four)]
         reply = await self._coord.call(
             "SYNC", self._keys,
             self._args(*args, profile=self._local if mode == "reload" else None),
