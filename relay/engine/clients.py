@@ -76,13 +76,23 @@ def price_for(provider: ProviderConfig, model: str) -> Price | None:
     if provider.adapter.endswith("-cli"):
         return FREE
     own = lookup(provider.prices, model) if provider.prices else None
-    base = lookup(packaged(), model)
+    base = _packaged_price(model)
     return own.over(base) if own is not None else base
+
+
+@functools.lru_cache(maxsize=1024)  # (every request looks its model up: a few each)
+def _packaged_price(model: str) -> Price | None:
+    return lookup(packaged(), model)
 
 
 def _windows(wall: float) -> tuple[str, str]:
     """The UTC day and month of a ``time.time()``: ``("2025-11-20", "2025-11")``."""
-    day = dt.datetime.fromtimestamp(wall, tz=dt.UTC).strftime("%Y-%m-%d")
+    return _day_windows(int(wall // 86400))
+
+
+@functools.lru_cache(maxsize=4)
+def _day_windows(days: int) -> tuple[str, str]:
+    day = dt.datetime.fromtimestamp(days * 86400, tz=dt.UTC).strftime("%Y-%m-%d")
     return day, day[:7]
 
 
