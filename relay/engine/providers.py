@@ -43,7 +43,7 @@ from relay.api.adapter import Adapter
 from relay.capacity.estimate import InputRatio
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import PRIORITIES, Lane
-from relay.capacity.meter import Conversations, Meter, scope_of
+from relay.capacity.meter import Conversations, scope_of
 from relay.vocab import redact
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import ProviderConfig
@@ -258,15 +258,14 @@ class Provider:
         queued one is ``held`` while the provider holds every start (SPEC L12: it said
         wait)."""
         now = trio.current_time()
-        meter = getattr(self.lane, "budget", None)
-        meter = meter if isinstance(meter, Meter) else None  # (a shared lane: its server)
+        lane = self.lane if isinstance(self.lane, Lane) else None  # (shared: its server)
         listed: list[tuple[tuple[int, int, float], dict[str, Any]]] = []
         for run, (request_id, route, priority, client) in list(self._in_flight.items()):
             if run.finished_at is not None:
                 continue
             started, running = run.record.started, run.running_since
-            held = (meter is not None and running is None
-                    and meter.hold_left(scope=scope_of(run.record.model or "")) > 0)
+            held = (lane is not None and running is None  # (every account's: L13)
+                    and lane.hold_left(scope=scope_of(run.record.model or "")) > 0)
             state = ("stopping" if run.stopped_at is not None else
                      "running" if running is not None else "held" if held else "queued")
             order = (int(running is None), PRIORITIES.get(priority, 1), running or started)
