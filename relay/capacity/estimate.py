@@ -259,6 +259,10 @@ RATIO_PRIOR = 4             # pseudo-answers at ratio 1.0 among them (relay's es
 RATIO_TRIM = 0.25           # of the kept ratios (and the prior's), cut off at each end
 RATIO_KEYS = 256            # (model, script) pairs kept, the least recently used dropped
 RATIO_BOUNDS = (0.05, 20.0)  # an answer's ratio outside them teaches nothing
+# The least text (relay's estimate beyond the framing) an answer must carry to teach a
+# ratio: "hi" counted as 3 where relay said 1 is the provider's framing or rounding, and
+# believed at once (an under-count) it made a 5,000-word prompt "too large".
+RATIO_MIN_TEXT = 32
 RATIO_SURE = 20             # answers before `least` trusts their lowest ratio
 LEAST_RATIO: Final = {"latin": 0.4, "code": 0.4, "json": 0.5, "han": 0.5, "kana": 0.5,
                       "hangul": 0.5, "other": 0.3, "image": 0.05}
@@ -352,11 +356,12 @@ class InputRatio:
     def learn(self, model: str, script: str, estimate: int, reported: int,
               fixed: int = 0) -> bool:
         """A whole answer's reported prompt tokens against relay's estimate of its prompt
-        (before `adjust`; ``fixed`` of both the framing). A count of 0, no text beyond the
-        framing, or a ratio outside `RATIO_BOUNDS` teaches nothing (False)."""
+        (before `adjust`; ``fixed`` of both the framing). A count of 0, less text beyond
+        the framing than `RATIO_MIN_TEXT`, or a ratio outside `RATIO_BOUNDS` teaches
+        nothing (False)."""
         fixed = max(0, fixed)
-        if estimate <= fixed or reported <= fixed:
-            return False
+        if estimate - fixed < RATIO_MIN_TEXT or reported <= fixed:
+            return False  # (a few words of text: their ratio is noise, not a tokenizer's)
         ratio = (reported - fixed) / (estimate - fixed)
         if not RATIO_BOUNDS[0] <= ratio <= RATIO_BOUNDS[1]:
             return False
