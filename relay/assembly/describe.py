@@ -204,8 +204,9 @@ def describe_requests(lines: list[dict[str, Any]]) -> str:
     if not lines:
         return "nothing runs or waits"
     rows = [("PROVIDER", "MODEL", "CLIENT", "PRIORITY", "STATE", "FOR")]
-    rows += [(q["provider"], q["model"], q["client"], q["priority"], q["state"],
-              _duration(q["for_s"])) for q in lines]
+    rows += [(q["provider"] + (f" ({q['account']})" if q.get("account") else ""),
+              q["model"], q["client"], q["priority"], q["state"], _duration(q["for_s"]))
+             for q in lines]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
                      .rstrip() for row in rows)

@@ -272,6 +272,7 @@ class Provider:
             listed.append((order, {
                 "id": request_id, "model": run.record.model, "route": route,
                 "priority": priority, "client": client, "state": state,
+                "account": run.record.account,  # SPEC L13 (None: no accounts, or queued)
                 "since": clock.iso(started),
                 "queued_s": round((running if running is not None else now) - started, 3),
                 "running_s": round(now - running, 3) if running is not None else None,
@@ -284,7 +285,8 @@ class Provider:
         waits here now, each with its client (SPEC L14: its name, never its token) and
         how long it has been in its present state."""
         lines: list[dict[str, Any]] = redact.redact_obj([
-            {"provider": self.name, "model": entry["model"], "client": entry["client"],
+            {"provider": self.name, "account": entry["account"], "model": entry["model"],
+             "client": entry["client"],
              "priority": entry["priority"], "state": entry["state"],
              "for_s": entry["running_s"] if entry["running_s"] is not None
              else entry["queued_s"]}

@@ -65,7 +65,7 @@ async def test_ps_shows_the_running_and_the_waiting_request_with_their_states(
         assert done.returncode == 0, done.stderr.decode()
         lines: list[dict[str, Any]] = json.loads(done.stdout)
         assert [set(line) for line in lines] == [
-            {"provider", "model", "client", "priority", "state", "for_s"}] * 2
+            {"provider", "account", "model", "client", "priority", "state", "for_s"}] * 2
         assert [(q["provider"], q["model"], q["client"], q["priority"], q["state"])
                 for q in lines] == [
             ("slow", "echo?delay_s=60", "default", "background", "running"),
