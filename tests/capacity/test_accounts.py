@@ -235,6 +235,8 @@ async def test_a_conversation_waits_a_little_for_its_busy_account(
         fake.tokens_per_s = 25.0  # its next answer takes 10 s
         slow = send(nursery, r, convo)
         await trio.sleep(0.05)
+        running = [(q["state"], q["account"]) for q in (await status_of(r))["requests"]]
+        assert running == [("running", home)]  # `relay ps` names the account
         third = send(nursery, r, convo)
         await third.done.wait()
         third_record = records(tmp_path)[-1]
