@@ -18,6 +18,7 @@ import trio
 
 from relay.engine.engine import Engine
 from relay.engine.plan import pattern_for
+from relay.shared import figures
 from relay.vocab.errors import RelayError
 
 from .asgi import Message, Scope, Send, send_error, send_json
@@ -107,6 +108,8 @@ async def _model(relay: Engine, model: str) -> dict[str, Any] | RelayError:
 
 
 async def _status(relay: Engine) -> dict[str, Any]:
+    # SPEC L11: a shared lane's figures as of now, not as of this relay's last reply.
+    await figures.refresh(p.lane for p in relay.providers.values())
     # Built without a checkpoint from one provider set: a reload swaps it whole (SPEC L10).
     # ``requests``: what runs and waits now, every provider's (`relay ps`).
     providers = relay.providers

@@ -45,7 +45,7 @@ import trio
 from relay.redis import resp
 from relay.vocab.errors import ConfigError, RelayError
 
-from . import budget_scripts, deployment, lane_scripts
+from . import budget_scripts, deployment, figures, lane_scripts
 
 
 class CoordinatedLane(Protocol):
@@ -101,6 +101,7 @@ class Coordinator:
                          for name in ("SYNC", "ACQUIRE", "LEAVE", "RELEASE", "PUMP", "CLAIM")}
         self._scripts.update((name, resp.Script(source))  # the token budgets' (SPEC L12)
                              for name, source in budget_scripts.SCRIPTS.items())
+        self._scripts["COUNTS"] = resp.Script(figures.COUNTS)  # (a status read's)
         self._renew_now = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._calls = 0  # commands on their way (a stop lets them land first)

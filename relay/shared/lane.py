@@ -155,6 +155,19 @@ class SharedLane:
                               capacity=lanes, queued=self._queued, queue_max=queue_max,
                               waiting_for=self.tokens.waiting_for())
 
+    async def refresh_figures(self) -> None:
+        """Running and queued as the server counts them now (a status read:
+        `relay.shared.figures`).
+
+        Raises:
+            RelayError: ``coordination_unavailable``.
+        """
+        if not self._coord.available:
+            await trio.lowlevel.checkpoint()
+            return
+        reply = await self._coord.call("COUNTS", self._keys, [], provider=self.name)
+        self._running, self._queued = int(reply[0]), int(reply[1])
+
     def estimate_wait_s(self) -> float:
         lanes, _, rpm = self._stored
         pace = 60.0 / rpm if rpm > 0 else 0.0
