@@ -202,6 +202,32 @@ class SharedLane:
                 the lease could not be kept.
         """
         m = await self._acquire(priority, on_queued)
+        async with self.hold(m) as ticket:
+            yield ticket
+
+    # SPEC L13 with L11: a request queued on several accounts' lanes at once takes the
+    # first grant (`relay.shared.accounts`): `slot` in its two halves, and the give-back
+    # of a grant it will not use.
+    async def acquire(self, priority: str = "normal", *,
+                      on_queued: Callable[[], None] | None = None) -> _Member:
+        """A grant of one slot, to hold with `hold` (in the task that runs the body) or
+        give back with `hand_back`. Raises as `slot` does."""
+        return await self._acquire(priority, on_queued)
+
+    async def hand_back(self, m: _Member) -> None:
+        """A grant `acquire` made that is not used: given back as no start (`LEAVE`),
+        shielded and bounded."""
+        self._holders.pop(m.member, None)
+        with trio.CancelScope(shield=True,
+                              deadline=trio.current_time() + self._coord.command_timeout_s):
+            await self._give_back("LEAVE", m)
+        self._maybe_idle()
+
+    @asynccontextmanager
+    async def hold(self, m: _Member) -> AsyncIterator[Ticket]:
+        """Hold the slot `acquire` granted for the body of the ``async with``, inside
+        its lease's scope; given back after the body. Raises as `slot` does."""
+        m.task = trio.lowlevel.current_task()  # (its token budgets find it by its task)
         try:
             with m.scope:
                 yield m.ticket
