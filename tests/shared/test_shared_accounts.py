@@ -33,12 +33,14 @@ class PerKey(KeyedMetered):
         self.active_by: collections.Counter[str] = collections.Counter()
         self.peak_by: collections.Counter[str] = collections.Counter()
         self.refuse: str | None = None
+        self.slow: dict[str, float] = {}  # a key's answers take this long more
 
     async def respond(self, ex: Exchange) -> None:
         key = key_of(ex.request.headers)
         self.active_by[key] += 1
         self.peak_by[key] = max(self.peak_by[key], self.active_by[key])
         try:
+            await trio.sleep(self.slow.get(key, 0.0))
             if key == self.refuse:
                 self.refused[key] += 1
                 await self._reject(ex, trio.current_time(), 1.0, "rpm", 1,
@@ -141,6 +143,23 @@ async def test_three_relays_spread_over_two_shared_accounts_within_each_ones_lan
         assert 'relay_account_capacity{account="a",provider="p"} 2.0' in metrics
         for key in ("{relay:p#a}:h", "{relay:p#b}:h", "{relay:p#a}:w", "{relay:p#b}:w"):
             assert zcard(redis, key) == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_waiting_request_starts_on_whichever_account_frees_first(
+        tmp_path: Path, redis: RedisServer, keyed: PerKey,
+        client: httpx.AsyncClient) -> None:
+    # Account a answers in 1.5 s, b in about 0.1 s. Every request waits on both accounts
+    # at once, so b's slots take the queue while a's first two still run: a request
+    # queued on one account alone would wait there behind a's slow answers while b idles.
+    a, b = KEYS["KEY_A"], KEYS["KEY_B"]
+    keyed.slow[a] = 1.5
+    async with trio.open_nursery() as nursery:
+        relays = await three_with_accounts(nursery, tmp_path, keyed.base_url, redis.url)
+        statuses = await burst(client, relays, 30)
+        assert statuses == [200] * 30
+        # (a's two slots: the first requests, and at most one more each once they end)
+        assert keyed.served[a] <= 4 and keyed.peak_by[b] == 2, (keyed.served, keyed.peak_by)
         nursery.cancel_scope.cancel()
 
 
