@@ -117,11 +117,12 @@ class Ticket:
     # A shared lane's take from its model's budgets (SPEC L12a): the budgets it took.
     model_kinds: frozenset[str] | None = None
     account: Account | None = None  # the account it runs on (SPEC L13; a local lane's)
+    shared_account: str = ""  # ... on a shared lane (L11), which has no `Account` here
 
     @property
     def account_name(self) -> str:
         """The account's name ("" for a provider without accounts)."""
-        return self.account.name if self.account is not None else ""
+        return self.account.name if self.account is not None else self.shared_account
 
     @property
     def queue_s(self) -> float:

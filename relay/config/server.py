@@ -87,10 +87,3 @@ def check_shared(server: ServerConfig, providers: Mapping[str, ProviderConfig],
             f"[providers.{shared[0]}] shared: a shared provider needs the coordination "
             "server: set [server] coordination_url (redis://HOST:PORT/DB) or "
             "coordination_url_env (the variable holding that URL)")
-    for name, p in providers.items():
-        if p.shared and p.accounts:  # (SPEC L13 with L11: not built yet; said, not hidden)
-            problems.append(
-                f"[providers.{name}] shared: a shared provider with accounts is not "
-                "supported yet (each account's lanes and budgets would have to live on "
-                "the coordination server); share it with one key, or keep its accounts "
-                "on one relay (shared = false)")

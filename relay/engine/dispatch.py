@@ -48,7 +48,7 @@ from . import metering
 from .attempt import AttemptSink, Changes, Delivered, Run, check_response
 from .engine import Engine
 from .notices import LaneNotices
-from .plan import FALLBACK_ON, RETRY_ON, Plan, Target
+from .plan import FALLBACK_ON, RETRY_ON, Plan, Target, moves
 from .stops import RequestStop
 
 __all__ = ["Dispatcher"]
@@ -210,7 +210,8 @@ class Dispatcher:
         of the provider at once (SPEC L13: a same-target retry, F3) while one is left and
         time is; a 429 that set a hold is waited out once when it must be (L12)."""
         run = await self._attempt(nursery, out, target, call, sent, deadline, self.avoid)
-        while (avoid := metering.moves(run, deadline, self.record.id)) is not None:
+        while (avoid := moves(target, run.error, run.account, run.avoid, deadline,
+                              self.record.id)) is not None:
             if (moved := self._call_for(target, sent)) is None:
                 break
             call = attrs.evolve(moved, params=call.params, inbound=call.inbound)

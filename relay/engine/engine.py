@@ -22,6 +22,7 @@ from relay.api.adapter import Adapter
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import Lane
 from relay.config import Config, load_config
+from relay.shared.accounts import SharedAccounts
 from relay.shared.client_limits import SharedClientLimits
 from relay.shared.coordinator import Coordinator
 from relay.shared.lane import SharedLane
@@ -109,8 +110,13 @@ class Engine:
         expected = type(handle.adapter).typical_call_s(config.settings)
         lane: LaneLike
         if config.shared and self.coordinator is not None:
-            lane = SharedLane(config.name, config.profile, self.coordinator,
-                              expected_run_s=expected, limits=config.limits)
+            # SPEC L11 (with L13: each account's lane, queue, pacer and budgets on the
+            # coordination server, `relay.shared.accounts`).
+            lane = (SharedAccounts(config.name, config.profile, self.coordinator,
+                                   config.account_profiles(), expected_run_s=expected,
+                                   limits=config.limits) if config.accounts else
+                    SharedLane(config.name, config.profile, self.coordinator,
+                               expected_run_s=expected, limits=config.limits))
         else:
             if config.shared:
                 logger.warning("provider %s: shared = true takes effect at the next "
@@ -258,8 +264,8 @@ class Engine:
                                f"{b.queue_timeout_s:g}, run_timeout_s {a.run_timeout_s:g}→"
                                f"{b.run_timeout_s:g}, rpm {a.rpm:g}→{b.rpm:g})")
                 current.lane.update_profile(pconf.profile)
-            if isinstance(current.lane, Lane) and (old.limits != pconf.limits
-                                                   or old.accounts != pconf.accounts):
+            if isinstance(current.lane, Lane | SharedAccounts) and (
+                    old.limits != pconf.limits or old.accounts != pconf.accounts):
                 changes.append(f"provider {name}: models' limits or accounts changed")
                 current.lane.update_profile(pconf.profile, pconf.limits,
                                             pconf.account_profiles())
@@ -272,8 +278,9 @@ class Engine:
         for name, gone in self.providers.items():
             if name not in providers:
                 gone.handle.retire()
-                if self.coordinator is not None and isinstance(gone.lane, SharedLane):
-                    self.nursery.start_soon(self.coordinator.forget_when_idle, gone.lane)
+                if (coordinator := self.coordinator) is not None:
+                    for each in _shared_lanes(gone.lane):
+                        self.nursery.start_soon(coordinator.forget_when_idle, each)
                 changes.append(f"provider {name}: removed (its running and queued requests "
                                "finish)")
         if dict(config.routes) != dict(self.config.routes):
@@ -365,6 +372,13 @@ class Engine:
         # (+5 s: a CLI tool's kill and reap after its grace.)
         with trio.move_on_after(grace + 5.0):
             await self.idle.wait()
+
+
+def _shared_lanes(lane: LaneLike) -> list[SharedLane]:
+    """A provider's lanes on the coordination server (one per account: SPEC L13)."""
+    if isinstance(lane, SharedAccounts):
+        return list(lane.lanes.values())
+    return [lane] if isinstance(lane, SharedLane) else []
 
 
 def _identity(path: Path) -> tuple[int, int, int, int] | None:

@@ -41,6 +41,7 @@ from relay.capacity.estimate import estimate_framing
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import Lane, Ticket
 from relay.capacity.meter import scope_of
+from relay.shared.accounts import SharedAccounts
 from relay.shared.budget import SharedBudget
 from relay.shared.lane import SharedLane
 from relay.vocab.errors import RelayError
@@ -52,8 +53,7 @@ from .needs import conversation_of, need_of, skips_cache_reads
 from .plan import Plan, Target
 from .providers import Provider
 
-__all__ = ["ACCOUNT_FAILURES", "Attempting", "count_wait", "moves", "run", "slot",
-           "wait_out"]
+__all__ = ["Attempting", "count_wait", "run", "slot", "wait_out"]
 
 logger = logging.getLogger("relay.dispatch")
 
@@ -81,7 +81,7 @@ def slot(dispatcher: Attempting, run_: Run, on_queued: Callable[[], None]
     connection check may pass a hold (it is how a lifted limit shows)."""
     lane, priority = run_.target.provider.lane, dispatcher.priority
     run_.has_fallback = run_.target is not dispatcher.plan.targets[-1]
-    if isinstance(lane, SharedLane):
+    if isinstance(lane, SharedLane | SharedAccounts):
         return _shared_slot(lane, run_, priority, on_queued,
                             probe=dispatcher.record.route == "(check)",
                             client=dispatcher.client, weight=dispatcher.client_weight)
@@ -98,16 +98,24 @@ def slot(dispatcher: Attempting, run_: Run, on_queued: Callable[[], None]
 
 
 @asynccontextmanager
-async def _shared_slot(lane: SharedLane, run_: Run, priority: str,
+async def _shared_slot(lanes: SharedLane | SharedAccounts, run_: Run, priority: str,
                        on_queued: Callable[[], None], *, probe: bool,
                        client: str = "default", weight: float = 1.0
                        ) -> AsyncIterator[Ticket]:
     """A shared lane's slot, then the attempt's need from the budgets every relay sharing
-    the provider keeps on the coordination server (`SharedBudget`)."""
-    need = need_of(run_, lane.tokens.learned)
-    async with lane.slot(priority, client=client, weight=weight,
-                         on_queued=on_queued) as ticket:
+    the provider keeps on the coordination server (`SharedBudget`); with accounts (SPEC
+    L13), the slot of the account that can start it soonest (its conversation's account
+    preferred), then that account's. Clients take turns in each queue (L14)."""
+    need = need_of(run_, lanes.tokens.learned)
+    held = (lanes.slot(priority, client=client, weight=weight, on_queued=on_queued,
+                       avoid=run_.avoid, probe=probe,
+                       prefer=run_.target.provider.affinity.get(conversation_of(run_.call)))
+            if isinstance(lanes, SharedAccounts)
+            else lanes.slot(priority, client=client, weight=weight, on_queued=on_queued))
+    async with held as ticket:
         need = need.current()  # (the estimate learned while it waited for the slot)
+        lane = (lanes.lane_for(ticket.account_name) if isinstance(lanes, SharedAccounts)
+                else lanes)
         deadline = ticket.queued_at + lane.profile.queue_timeout_s
         waited, held_by, kinds = await lane.tokens.take(need, deadline=deadline,
                                                         probe=probe,
@@ -212,7 +220,7 @@ async def run(adapter: Adapter, lane: LaneLike, ticket: Ticket, run_: Run,
     """``adapter.run`` for the attempt, with its limits observed and its reservation
     settled before the slot is given back."""
     count_wait(ticket, record)
-    if isinstance(lane, SharedLane) and ticket.reservation is not None:
+    if isinstance(lane, SharedLane | SharedAccounts) and ticket.reservation is not None:
         await _run_shared(adapter, lane, ticket, run_, record)
         return
     if not isinstance(lane, Lane):
@@ -236,14 +244,22 @@ async def run(adapter: Adapter, lane: LaneLike, ticket: Ticket, run_: Run,
         settle(lane, ticket, run_, record, None)  # (done already after an error)
 
 
-async def _run_shared(adapter: Adapter, lane: SharedLane, ticket: Ticket, run_: Run,
-                      record: Record) -> None:
-    """`run` on a shared lane: the hold and the settlement go to the server."""
+async def _run_shared(adapter: Adapter, lanes: SharedLane | SharedAccounts, ticket: Ticket,
+                      run_: Run, record: Record) -> None:
+    """`run` on a shared lane (its account's, SPEC L13): the hold and the settlement go
+    to the server; a hold said here leaves the account out of this relay's next choices,
+    and the conversation's next turn prefers the account that answered it."""
     error: RelayError | None = None
+    name = ticket.account_name
+    lane = lanes.lane_for(name) if isinstance(lanes, SharedAccounts) else lanes
     try:
         await adapter.run(run_.call, run_.sink)
+        if isinstance(lanes, SharedAccounts) and run_.sink.usage is not None:
+            run_.target.provider.served(conversation_of(run_.call), name)
     except RelayError as exc:
         error = exc
+        if isinstance(lanes, SharedAccounts):
+            lanes.said(name, exc)
         bound_error(exc, run_.target.provider, lane.profile.max_hold_s)
         now = trio.current_time()
         grant = ticket.reservation  # (its upstream start: the answering grant, L12a)
@@ -342,28 +358,6 @@ def count_wait(ticket: Ticket, record: Record) -> None:
                                      + ticket.token_wait_s * 1000, 3)
     if ticket.held_by is not None:
         record.held_by = ticket.held_by
-
-
-# SPEC L13: the failures that are an account's, not the request's: another account of the
-# same provider is tried at once.
-ACCOUNT_FAILURES = frozenset({"rate_limited", "quota_exhausted", "auth_required"})
-
-
-def moves(run_: Run, deadline: float, request_id: str) -> frozenset[str] | None:
-    """The accounts to avoid when the attempt's failure was its account's — a rate limit,
-    a quota or usage window, a refused key (SPEC L13) — and another account of the
-    provider is left to try in time; else None."""
-    error, lane = run_.error, run_.target.provider.lane
-    if (error is None or error.reason not in ACCOUNT_FAILURES or not run_.account
-            or not isinstance(lane, Lane) or trio.current_time() >= deadline):
-        return None
-    avoid = run_.avoid | {run_.account}
-    if not lane.others(avoid):
-        return None
-    logger.info("account_moved request=%s target=%s from=%s reason=%s: another account of "
-                "the provider takes it", request_id, run_.target.name, run_.account,
-                error.reason)
-    return avoid
 
 
 def wait_out(dispatcher: Attempting, target: Target, error: RelayError | None,

@@ -3,17 +3,24 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import attrs
+import trio
 
+from relay.capacity.lanes import Lane
 from relay.config import RouteConfig, best_pattern, check_target
+from relay.shared.accounts import SharedAccounts
 from relay.vocab.errors import RelayError
 
 from .engine import Engine
 from .providers import Provider
 
-__all__ = ["FALLBACK_ON", "RETRY_ON", "Plan", "Target", "make_plan", "pattern_for"]
+__all__ = ["ACCOUNT_FAILURES", "FALLBACK_ON", "RETRY_ON", "Plan", "Target", "make_plan",
+           "moves", "pattern_for"]
+
+logger = logging.getLogger("relay.dispatch")
 
 # F2: the failures a different target may fix.
 FALLBACK_ON = frozenset({
@@ -174,3 +181,26 @@ def make_plan(relay: Engine, model: str, body_fallbacks: Any) -> Plan:
         seen.add(target.name)
         targets.append(target)
     return Plan(targets, route)
+
+
+# SPEC L13: the failures that are an account's, not the request's: another account of the
+# same provider is tried at once.
+ACCOUNT_FAILURES = frozenset({"rate_limited", "quota_exhausted", "auth_required"})
+
+
+def moves(target: Target, error: RelayError | None, account: str | None,
+          avoid: frozenset[str], deadline: float, request_id: str) -> frozenset[str] | None:
+    """The accounts to avoid when an attempt on ``target`` failed for its account's sake
+    — a rate limit, a quota or usage window, a refused key (SPEC L13: a same-target retry,
+    F3) — and another account of the provider is left to try in time; else None."""
+    lane = target.provider.lane
+    if (error is None or error.reason not in ACCOUNT_FAILURES or not account
+            or not isinstance(lane, Lane | SharedAccounts)
+            or trio.current_time() >= deadline):
+        return None
+    avoid = avoid | {account}
+    if not lane.others(avoid):
+        return None
+    logger.info("account_moved request=%s target=%s from=%s reason=%s: another account of "
+                "the provider takes it", request_id, target.name, account, error.reason)
+    return avoid

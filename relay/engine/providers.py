@@ -44,6 +44,7 @@ from relay.capacity.estimate import InputRatio
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import PRIORITIES, Lane
 from relay.capacity.meter import Conversations, scope_of
+from relay.shared.accounts import SharedAccounts
 from relay.vocab import redact
 from relay.vocab.errors import RelayError
 from relay.vocab.profile import ProviderConfig
@@ -216,7 +217,8 @@ class Provider:
         (`relay.capacity.account`); the provider is failing only when every one is out,
         else connected with a warning naming the account."""
         lane = self.lane
-        if (account is not None and isinstance(lane, Lane) and len(lane.accounts) > 1
+        if (account is not None and isinstance(lane, Lane | SharedAccounts)
+                and len(lane.accounts) > 1
                 and (found := lane.account(account)) is not None):
             if error is None:
                 lane.account_answered(found)
@@ -320,6 +322,8 @@ class Provider:
     def accounts(self, clock: Clock) -> list[dict[str, Any]]:
         """Each account's entry (SPEC L13): its state, lanes, starts and budgets."""
         lane = self.lane
+        if isinstance(lane, SharedAccounts):
+            return self._shared_accounts(lane, clock)
         if not isinstance(lane, Lane):
             return [{"name": a.name} for a in self.config.accounts]
         now = trio.current_time()
@@ -329,6 +333,31 @@ class Provider:
             for model, figures in entry["budgets"].get("models", {}).items():
                 figures["estimate"] = self.input_ratio.status(model)
             listed.append(entry)
+        return listed
+
+    def _shared_accounts(self, lane: SharedAccounts, clock: Clock) -> list[dict[str, Any]]:
+        """Each account of a shared provider (SPEC L13 with L11): its running, queued and
+        capacity every relay's (``held_here`` this relay's part), its state as this relay
+        knows it, the starts made here, its budgets as the server has them."""
+        now = trio.current_time()
+        listed = []
+        for account in lane.accounts:
+            own = lane.lanes[account.name]
+            stats = own.statistics()
+            budgets = own.tokens.status(clock.iso) or {"budgets": {}, "hold": None}
+            budgets["models"] = {scope: found for scope, b in own.model_budgets().items()
+                                 if (found := b.status(clock.iso)) is not None}
+            out = now < account.out_until
+            state = "out" if out else "held" if lane.hold_left(account.name, now) else "ok"
+            listed.append({
+                "name": account.name, "state": state,
+                "state_reason": account.out_reason if out else None,
+                "out_until": clock.iso(account.out_until) if out else None,
+                "warning": account.out_message if out else None,
+                "running": stats.running, "capacity": stats.capacity,
+                "queued": stats.queued, "held_here": own.held_here, "shared": True,
+                "started": lane.started.get(account.name, 0), "rpm": own.profile.rpm,
+                "budgets": budgets})
         return listed
 
     def budgets(self, clock: Clock | None = None) -> dict[str, Any] | None:

@@ -26,6 +26,7 @@ from relay.config import ClientConfig
 from relay.config.clients import DEFAULT_CLIENT
 from relay.engine.engine import Engine
 from relay.engine.plan import pattern_for
+from relay.shared import figures
 from relay.vocab.errors import RelayError
 
 from .asgi import Message, Scope, Send, send_error, send_json
@@ -142,6 +143,8 @@ async def _model(relay: Engine, client: ClientConfig,
 
 
 async def _status(relay: Engine, client: ClientConfig) -> dict[str, Any]:
+    # SPEC L11: a shared lane's figures as of now, not as of this relay's last reply.
+    await figures.refresh(p.lane for p in relay.providers.values())
     # Built without a checkpoint from one provider set: a reload swaps it whole (SPEC L10).
     # ``requests``: what runs and waits now, every provider's (`relay ps`).
     providers = relay.providers

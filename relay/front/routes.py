@@ -24,6 +24,7 @@ from werkzeug.exceptions import HTTPException
 
 from relay.engine.checks import check_provider
 from relay.engine.engine import Engine
+from relay.shared import figures
 from relay.usage.report import DEFAULT_BY, answer, parse_by, parse_since, window
 from relay.vocab.errors import ConfigError, RelayError
 
@@ -101,6 +102,7 @@ def make_quart_app(relay: Engine, metrics_: Metrics) -> QuartTrio:
 
     @route("/metrics")
     async def metrics() -> Response:
+        await figures.refresh(p.lane for p in relay.providers.values())  # (SPEC L11)
         return Response(metrics_.render(), content_type=CONTENT_TYPE)
 
     @route("/relay/v1/providers/<name>/check")

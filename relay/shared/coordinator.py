@@ -45,7 +45,7 @@ import trio
 from relay.redis import resp
 from relay.vocab.errors import ConfigError, RelayError
 
-from . import budget_scripts, client_scripts, deployment, lane_scripts
+from . import budget_scripts, client_scripts, deployment, figures, lane_scripts
 
 
 class CoordinatedLane(Protocol):
@@ -103,6 +103,7 @@ class Coordinator:
                              for name, source in budget_scripts.SCRIPTS.items())
         self._scripts.update((name, resp.Script(getattr(client_scripts, name)))  # L14
                              for name in client_scripts.__all__)
+        self._scripts["COUNTS"] = resp.Script(figures.COUNTS)  # (a status read's)
         self._renew_now = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._calls = 0  # commands on their way (a stop lets them land first)

@@ -161,6 +161,19 @@ class SharedLane:
                               capacity=lanes, queued=self._queued, queue_max=queue_max,
                               waiting_for=self.tokens.waiting_for())
 
+    async def refresh_figures(self) -> None:
+        """Running and queued as the server counts them now (a status read:
+        `relay.shared.figures`).
+
+        Raises:
+            RelayError: ``coordination_unavailable``.
+        """
+        if not self._coord.available:
+            await trio.lowlevel.checkpoint()
+            return
+        reply = await self._coord.call("COUNTS", self._keys, [], provider=self.name)
+        self._running, self._queued = int(reply[0]), int(reply[1])
+
     def estimate_wait_s(self) -> float:
         lanes, _, rpm = self._stored
         pace = 60.0 / rpm if rpm > 0 else 0.0
@@ -202,9 +215,36 @@ class SharedLane:
                 ``coordination_unavailable``; ``coordination_lost`` after the body when
                 the lease could not be kept.
         """
+        m = await self.acquire(priority, client=client, weight=weight, on_queued=on_queued)
+        async with self.hold(m) as ticket:
+            yield ticket
+
+    # SPEC L13 with L11: a request queued on several accounts' lanes at once takes the
+    # first grant (`relay.shared.accounts`): `slot` in its two halves, and the give-back
+    # of a grant it will not use.
+    async def acquire(self, priority: str = "normal", *, client: str = "default",
+                      weight: float = 1.0, on_queued: Callable[[], None] | None = None
+                      ) -> _Member:
+        """A grant of one slot, to hold with `hold` (in the task that runs the body) or
+        give back with `hand_back`. Raises as `slot` does."""
         if not (weight > 0 and math.isfinite(weight)):
             raise ValueError(f"a client's weight must be positive and finite, not {weight!r}")
-        m = await self._acquire(priority, on_queued, client, max(1, round(TURN / weight)))
+        return await self._acquire(priority, on_queued, client, max(1, round(TURN / weight)))
+
+    async def hand_back(self, m: _Member) -> None:
+        """A grant `acquire` made that is not used: given back as no start (`LEAVE`),
+        shielded and bounded."""
+        self._holders.pop(m.member, None)
+        with trio.CancelScope(shield=True,
+                              deadline=trio.current_time() + self._coord.command_timeout_s):
+            await self._give_back("LEAVE", m)
+        self._maybe_idle()
+
+    @asynccontextmanager
+    async def hold(self, m: _Member) -> AsyncIterator[Ticket]:
+        """Hold the slot `acquire` granted for the body of the ``async with``, inside
+        its lease's scope; given back after the body. Raises as `slot` does."""
+        m.task = trio.lowlevel.current_task()  # (its token budgets find it by its task)
         try:
             with m.scope:
                 yield m.ticket

@@ -126,8 +126,11 @@ async def test_a_reload_adds_and_removes_accounts_in_place(tmp_path: Path,
         await trio.lowlevel.checkpoint()
 
 
-def test_a_shared_provider_with_accounts_is_refused_in_words(tmp_path: Path) -> None:
+def test_a_shared_provider_takes_accounts(tmp_path: Path) -> None:
+    # SPEC L13 with L11: each account's lanes on the coordination server
+    # (tests/shared/test_shared_accounts.py runs them).
     text = ('[server]\ncoordination_url = "redis://127.0.0.1:6379/0"\n'
             + TWO.replace("[providers.cloud.profile]", "shared = true\n[providers.cloud.profile]"))
-    found = "\n".join(problems(text, tmp_path))
-    assert "a shared provider with accounts is not supported yet" in found
+    config = config_from(text, tmp_path, environ=ENV)
+    cloud = config.providers["cloud"]
+    assert cloud.shared and [a.name for a in cloud.accounts] == ["a", "b"]
