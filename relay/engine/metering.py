@@ -116,10 +116,15 @@ async def _shared_slot(lanes: SharedLane | SharedAccounts, run_: Run, priority: 
         need = need.current()  # (the estimate learned while it waited for the slot)
         lane = (lanes.lane_for(ticket.account_name) if isinstance(lanes, SharedAccounts)
                 else lanes)
+        # An account held by a 429 this relay had not heard of when it won the slot
+        # (another relay's): the request leaves it for another account (a move, L13).
+        run_.account = ticket.account_name
+        run_.record.account = ticket.account_name or None
+        leave = run_.has_fallback or (isinstance(lanes, SharedAccounts) and bool(
+            lanes.others(run_.avoid | {ticket.account_name})))
         deadline = ticket.queued_at + lane.profile.queue_timeout_s
         waited, held_by, kinds = await lane.tokens.take(need, deadline=deadline,
-                                                        probe=probe,
-                                                        leave_if_held=run_.has_fallback)
+                                                        probe=probe, leave_if_held=leave)
         # SPEC L12a: its model's too, once this relay has heard of the model (its headers,
         # a 429 naming it, its configured figures): from then on what any relay sharing
         # the provider heard of it (a provider that sends no headers costs no second
@@ -128,8 +133,7 @@ async def _shared_slot(lanes: SharedLane | SharedAccounts, run_: Run, priority: 
         if model is not None:
             try:
                 more, model_held, ticket.model_kinds = await model.take(
-                    need, deadline=deadline, probe=probe,
-                    leave_if_held=run_.has_fallback)
+                    need, deadline=deadline, probe=probe, leave_if_held=leave)
             except BaseException:  # the account's share goes back: nothing started
                 await _shielded(functools.partial(lane.tokens.settle, need, 0, 0, kinds),
                                 lane)
