@@ -288,7 +288,8 @@ class _Ratios:
         ordered = sorted(self.logs)
         # The prior brakes a ratio below 1.0 only: answers whose median says relay counts
         # too few are believed at once (under-counting sends requests into 429s).
-        if ordered[len(ordered) // 2] <= 0.0:
+        if ordered[(len(ordered) - 1) // 2] <= 0.0:  # (the lower middle: two answers
+            # that disagree are not yet a majority saying relay counts too few)
             ordered = sorted([*ordered, *([0.0] * RATIO_PRIOR)])
         cut = int(RATIO_TRIM * len(ordered))
         kept = ordered[cut:len(ordered) - cut]
