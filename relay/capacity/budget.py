@@ -57,9 +57,10 @@ description, with where this module ("here") and the scripts ("there") keep each
   the requests in flight granted at or before it are then _window          TOKENS_SEEN
   counted for that budget (``Reservation.counted``)                        (c:<member>)
   others on the key: at each header with a remaining     _Bucket.learn,   learn,
-  after the first, what they took since the last one is   _Bucket.others   others_of
-  how far relay's count less the header's figure (less
-  what was granted after the answering request) grew
+  after the first, and nothing granted after its request  _Bucket.others   others_of
+  in flight (then when the provider reckoned it does not
+  matter), what they took since the last such one is
+  how far relay's count less the header's figure grew
   since then, plus what the refill left them (not while
   the bucket is whole); a decayed sum of it over a decayed
   sum of the seconds (``OTHERS_TAU_S``), at least
@@ -501,16 +502,21 @@ class Budget:
         # margin at the edge (a provider rounds, on another clock: a hair is no news, and
         # what started since would come off it again).
         tighten = created or said < level - bucket.limit * EDGE_MARGIN
-        if not created:
+        # What others take is learned from a header only when nothing relay granted after
+        # the answering request is in flight: then it does not matter whether the
+        # provider reckoned it at the request's admission or at its answer's end.
+        clean = not self._late("requests", started_at, own)
+        if created:
+            bucket.heard, bucket.gap = now, 0.0
+        elif clean:
             bucket.learn(now, level, level - theirs)
         if tighten:
             bucket.store(now, theirs)
-            bucket.gap = 0.0
+            if clean:
+                bucket.gap = 0.0
             for r in self._inflight:  # their real input is in the provider's count now
                 if started_at is not None and r.at <= started_at:
                     r.counted.add(kind)
-        if created:
-            bucket.heard, bucket.gap = now, 0.0
 
     def _late(self, kind: str, started_at: float | None, own: Reservation | None) -> int:
         """What requests granted after ``started_at`` (all, when None), ``own`` (the

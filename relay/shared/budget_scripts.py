@@ -392,13 +392,19 @@ while ARGV[i] do
     store(kind, level)  -- (at the refill as it was: the rate may change below)
     local theirs = said - late(kind)
     local tighten = created or said < level - now_limit * MARGIN
-    if not created then learn(kind, now_limit, level, level - theirs) end
+    -- (others are learned only from a header with nothing granted after its request in
+    -- flight: `Budget._window`)
+    local clean = late('requests') == 0
+    if created then
+      redis.call('HSET', B, kind .. ':heard', tostring(now), kind .. ':gap', '0')
+    elseif clean then
+      learn(kind, now_limit, level, level - theirs)
+    end
     if tighten then
       store(kind, theirs)
-      redis.call('HSET', B, kind .. ':gap', '0')
+      if clean then redis.call('HSET', B, kind .. ':gap', '0') end
       counted(kind)
     end
-    if created then redis.call('HSET', B, kind .. ':heard', tostring(now), kind .. ':gap', '0') end
     redis.call('HDEL', B, kind .. ':new')
   end
   i = i + 3
