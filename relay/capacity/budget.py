@@ -22,10 +22,11 @@ description, with where this module ("here") and the scripts ("there") keep each
   ------------------------------------------------------- ---------------- -------------
   a budget's limit: the lower of the configured figure    _Bucket.limit    limit_of
   and the last header's
-  a bucket: at most its limit, refilled at limit / 60 a   _Bucket.level_at level_of
-  second since its level was last stored; stored only
-  when a take, a settlement or a header moves it (a look
-  stores nothing): a changed limit refills from there
+  a bucket: at most its limit, refilled at (limit less    _Bucket.level_at level_of
+  what others take, below) / 60 a second since its level
+  was last stored; stored only when a take, a settlement
+  or a header moves it (a look stores nothing): a changed
+  limit refills from there
   a budget left without a limit keeps its level and       _gone            (its keys)
   instant; given one again, it goes on from them
   the need: the estimated input plus the output           `.estimate`      the same
@@ -55,6 +56,18 @@ description, with where this module ("here") and the scripts ("there") keep each
   (``started_at``: its grant), still in flight
   the requests in flight granted at or before it are then _window          TOKENS_SEEN
   counted for that budget (``Reservation.counted``)                        (c:<member>)
+  others on the key: at each header with a remaining     _Bucket.learn,   learn,
+  after the first, and nothing granted after its request  _Bucket.others   others_of
+  in flight (then when the provider reckoned it does not
+  matter), what they took since the last such one is
+  how far relay's count less the header's figure grew
+  since then, plus what the refill left them (not while
+  the bucket is whole); a decayed sum of it over a decayed
+  sum of the seconds (``OTHERS_TAU_S``), at least
+  ``OTHERS_MIN_S``, is their rate, 0 to ``OTHERS_CAP`` of
+  the limit; the level is stored (at the old rate) first
+  a counted request's input beyond its reservation was    _Bucket.own_     TOKENS_SETTLE
+  relay's own, not others': settled, it comes off         error
   settlement: each budget it took from gets back what     settle           TOKENS_SETTLE
   was reserved and not used (or gives what was used
   beyond), up to its limit; a counted budget, only its
@@ -113,6 +126,15 @@ _WHAT = {"requests": "request starts", "tokens": "tokens", "input": "input token
 # A start needs this share of a budget's limit free beyond its own need (0.6 s of refill):
 # relay takes before the provider admits, on another clock, and rounds otherwise.
 EDGE_MARGIN = 0.01
+
+# Others on the same key (another program, another relay not sharing this one's server):
+# what the provider's headers say is gone beyond relay's own count, learned as a rate
+# (tokens a minute) over about a minute (decayed sums, time constant ``OTHERS_TAU_S``; at
+# least ``OTHERS_MIN_S`` of samples count, so a single answer cannot make it large), and
+# at most ``OTHERS_CAP`` of the limit (relay always keeps half the refill).
+OTHERS_TAU_S = 60.0
+OTHERS_MIN_S = 5.0
+OTHERS_CAP = 0.5
 
 
 def edge_want(cost: float, limit: float) -> float:
@@ -174,6 +196,51 @@ class _Bucket:
     level: float = 0.0               # as stored at ``at`` (a take, a settlement, a header)
     at: float = -math.inf            # -inf: never stored, whole
     remaining_said: float | None = None  # the last header's remaining, as it said
+    # What others on the key take (`_Bucket.others`): decayed sums of the tokens the
+    # headers said were gone beyond relay's count (``seen``) over the seconds they span
+    # (``span``); the last header with a remaining (``heard``) and relay's count less its
+    # figure then (``gap``: what the next one is measured from).
+    seen: float = 0.0
+    span: float = 0.0
+    heard: float | None = None
+    gap: float = 0.0
+
+    @property
+    def others(self) -> float:
+        """Tokens (or requests) a minute others on the key take, as learned: at most
+        ``OTHERS_CAP`` of the limit, never below 0."""
+        if self.span <= 0.0:
+            return 0.0
+        rate = self.seen / max(self.span, OTHERS_MIN_S) * 60.0
+        return min(max(rate, 0.0), self.limit * OTHERS_CAP)
+
+    @property
+    def refill(self) -> float:
+        """What it refills a minute for relay: the limit less what others take."""
+        return self.limit - self.others
+
+    def learn(self, now: float, level: float, gap: float) -> None:
+        """A header with a remaining: ``level`` is relay's count then (stored at ``now``),
+        ``gap`` relay's count less the header's figure (less what was granted after the
+        answering request). What others took since the last header is how far the gap
+        grew since then, plus what the refill already left them (unless the bucket is
+        whole: it left them nothing). A gap that grew and shrank again (an estimate
+        settled, a header reckoned at the answer's end) adds up to nothing."""
+        if self.heard is not None:
+            span = max(0.0, now - self.heard)
+            took = gap - self.gap
+            if level < self.limit - 1e-6:  # (whole, the refill left them nothing)
+                took += self.others * span / 60.0
+            decay = math.exp(-span / OTHERS_TAU_S)
+            self.seen = self.seen * decay + took
+            self.span = self.span * decay + span
+        self.heard, self.gap = now, gap
+
+    def own_error(self, more: float) -> None:
+        """A counted request used ``more`` than relay reserved of it (its real input was
+        in a header's figure, and the gap took it for others'): it was relay's own."""
+        if self.heard is not None:
+            self.seen -= more
 
     @property
     def limit(self) -> float:
@@ -191,7 +258,7 @@ class _Bucket:
         limit = self.limit
         if self.at == -math.inf:
             return limit
-        return min(limit, self.level + max(0.0, now - self.at) * limit / 60.0)
+        return min(limit, self.level + max(0.0, now - self.at) * self.refill / 60.0)
 
     def store(self, now: float, level: float | None = None) -> None:
         self.level = self.level_at(now) if level is None else level
@@ -202,7 +269,7 @@ class _Bucket:
         level = self.level_at(now)
         if level >= want - 1e-6:  # (a float's last bits are no reason to wait)
             return 0.0
-        return (want - level) * 60.0 / self.limit
+        return (want - level) * 60.0 / self.refill
 
 
 @attrs.define
@@ -378,6 +445,8 @@ class Budget:
             back = need.cost(kind) - used.cost(kind)
             if count and kind in reservation.counted:
                 back = 0 if kind == "input" else need.output - used.output
+                if kind in ("input", "tokens"):
+                    bucket.own_error(used_in - need.input)
             bucket.store(now, min(bucket.limit, bucket.level_at(now) + back))
         if count:
             self._count(now, used_in + used_out)
@@ -426,11 +495,25 @@ class Budget:
         # Whether to move at all is decided on the header's own figure: a provider that
         # computes a whole answer's headers at its end has those requests in it already.
         said = min(bucket.limit, remaining)
+        level = bucket.level_at(now)
+        bucket.store(now, level)  # (at the refill as it was: the rate may change below)
+        theirs = said - self._late(kind, started_at, own)
         # It tightens relay's count (or starts it) when it says less by more than the
         # margin at the edge (a provider rounds, on another clock: a hair is no news, and
         # what started since would come off it again).
-        if created or said < bucket.level_at(now) - bucket.limit * EDGE_MARGIN:
-            bucket.store(now, said - self._late(kind, started_at, own))
+        tighten = created or said < level - bucket.limit * EDGE_MARGIN
+        # What others take is learned from a header only when nothing relay granted after
+        # the answering request is in flight: then it does not matter whether the
+        # provider reckoned it at the request's admission or at its answer's end.
+        clean = not self._late("requests", started_at, own)
+        if created:
+            bucket.heard, bucket.gap = now, 0.0
+        elif clean:
+            bucket.learn(now, level, level - theirs)
+        if tighten:
+            bucket.store(now, theirs)
+            if clean:
+                bucket.gap = 0.0
             for r in self._inflight:  # their real input is in the provider's count now
                 if started_at is not None and r.at <= started_at:
                     r.counted.add(kind)
@@ -481,6 +564,7 @@ class Budget:
                 "configured": bucket.configured or None,
                 "header": bucket.header,
                 "header_at": iso(bucket.header_at),
+                "others_per_minute": round(bucket.others),
             }
         held = self.hold_left(now)
         minute = int(now // 60)

@@ -254,16 +254,19 @@ class SharedBudget:
         configured = dict(zip(("tokens", "input", "output"),
                               (float(f) for f in self._configured()), strict=True))
         budgets: dict[str, Any] = {}
-        for i in range(4, len(reply), 4):
-            kind, limit, level, header = (str(reply[i]), float(reply[i + 1]),
-                                          float(reply[i + 2]), float(reply[i + 3]))
+        for i in range(4, len(reply), 5):
+            kind, limit, level, header, others = (
+                str(reply[i]), float(reply[i + 1]), float(reply[i + 2]),
+                float(reply[i + 3]), float(reply[i + 4]))
             figure = configured.get(kind, 0.0)
+            refill = limit - others  # (what others on the key take is left to them)
             budgets[kind] = {
                 "limit_per_minute": limit,
-                "remaining": max(0, math.floor(min(limit, level + (now - at) * limit / 60))),
+                "remaining": max(0, math.floor(min(limit, level + (now - at) * refill / 60))),
                 "source": "header" if header and (not figure or header <= figure)
                 else "configured",
-                "configured": figure or None, "header": header or None, "header_at": None}
+                "configured": figure or None, "header": header or None, "header_at": None,
+                "others_per_minute": round(others)}
         left = float(reply[0]) / 1000 - (now - at)
         per_minute = {k: v["limit_per_minute"] for k, v in budgets.items()}
         return {

@@ -47,6 +47,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local KINDS = {'requests', 'tokens', 'input', 'output'}
 local MARGIN = 0.01  -- relay.capacity.budget.EDGE_MARGIN
+-- relay.capacity.budget.OTHERS_TAU_S, OTHERS_MIN_S, OTHERS_CAP: what others on the key take
+local OTHERS_TAU_S, OTHERS_MIN_S, OTHERS_CAP = 60, 5, 0.5
 local DAY_MS = 86400000  -- the longest hold (relay.capacity.budget.USAGE_WINDOW_MAX_HOLD_S)
 -- ARGV[1], before the script's own: 1 when this relay has found these keys before.
 local known = table.remove(ARGV, 1) == '1'
@@ -71,11 +73,27 @@ local function limit_of(kind, cfg)
   return hdr
 end
 
+-- What others on the key take a minute (`_Bucket.others`): <kind>:os (the tokens the
+-- headers said were gone beyond the relays' count, decayed) over <kind>:osp (the seconds
+-- they span, decayed).
+local function others_of(kind, limit)
+  local f = redis.call('HMGET', B, kind .. ':os', kind .. ':osp')
+  local seen, span = tonumber(f[1] or '0') or 0, tonumber(f[2] or '0') or 0
+  if span <= 0 then return 0 end
+  local rate = seen / math.max(span, OTHERS_MIN_S) * 60
+  return math.min(math.max(rate, 0), limit * OTHERS_CAP)
+end
+
+-- What a budget refills a minute for the relays: its limit less what others take.
+local function refill_of(kind, limit)
+  return limit - others_of(kind, limit)
+end
+
 local function level_of(kind, limit)
   local lvl = tonumber(redis.call('HGET', B, kind .. ':lvl') or 'nan')
   local at = tonumber(redis.call('HGET', B, kind .. ':at') or '0')
   if lvl == nil or lvl ~= lvl then return limit end
-  return math.min(limit, lvl + math.max(0, now - at) * limit / 60000)
+  return math.min(limit, lvl + math.max(0, now - at) * refill_of(kind, limit) / 60000)
 end
 
 local function store(kind, lvl)
@@ -189,7 +207,7 @@ for kind, limit in pairs(limits) do
   levels[kind] = lvl
   local want = math.min(cost[kind] + limit * MARGIN, limit)  -- the margin at the edge
   if lvl < want - 1e-6 then
-    local w = math.ceil((want - lvl) * 60000 / limit)
+    local w = math.ceil((want - lvl) * 60000 / refill_of(kind, limit))
     if w > wait then
       wait, what = w, kind .. ' ' .. math.floor(lvl) .. ' ' .. math.ceil(want)
     end
@@ -233,9 +251,11 @@ local cfg = {tokens = ARGV[5], input = ARGV[6], output = ARGV[7]}
 local member = ARGV[9]
 local back = {tokens = r_in + r_out - u_in - u_out, input = r_in - u_in, output = r_out - u_out}
 -- A budget a header set while it was in flight holds its real input: only its output.
+local counted = {}
 if member ~= '' then
   for kind in string.gmatch(redis.call('HGET', B, 'c:' .. member) or '', '%S+') do
     if kind == 'input' then back.input = 0 else back[kind] = r_out - u_out end
+    counted[kind] = true
   end
 end
 local took = {}
@@ -246,6 +266,12 @@ for kind, b in pairs(back) do
   if limit > 0 and took[kind] then
     store(kind, math.min(limit, level_of(kind, limit) + b))
     gave = gave or b > 0
+    -- (its input beyond the reservation was in the header's figure, and taken for
+    -- others': it was the relays' own)
+    if counted[kind] and kind ~= 'output' and redis.call('HGET', B, kind .. ':heard') then
+      local seen = tonumber(redis.call('HGET', B, kind .. ':os') or '0') or 0
+      redis.call('HSET', B, kind .. ':os', tostring(seen - (u_in - r_in)))
+    end
   end
 end
 -- What was used, for the status's "used in the last minute" of every relay together: a
@@ -318,6 +344,23 @@ local function late(kind)
   end
   return late_cost[kind]
 end
+-- A header with a remaining: what others took since the last one (`_Bucket.learn`).
+local function learn(kind, limit, level, gap)
+  local f = redis.call('HMGET', B, kind .. ':heard', kind .. ':gap', kind .. ':os',
+                       kind .. ':osp')
+  local heard = tonumber(f[1] or '')
+  if heard then
+    local span = math.max(0, now - heard) / 1000
+    local took = gap - (tonumber(f[2] or '0') or 0)
+    if level < limit - 1e-6 then  -- (whole, the refill left them nothing)
+      took = took + others_of(kind, limit) * span / 60
+    end
+    local decay = math.exp(-span / OTHERS_TAU_S)
+    redis.call('HSET', B, kind .. ':os', tostring((tonumber(f[3] or '0') or 0) * decay + took),
+               kind .. ':osp', tostring((tonumber(f[4] or '0') or 0) * decay + span))
+  end
+  redis.call('HSET', B, kind .. ':heard', tostring(now), kind .. ':gap', tostring(gap))
+end
 -- The requests granted at or before it hold their real input in that budget now.
 local function counted(kind)
   for _, m in ipairs(redis.call('ZRANGEBYSCORE', F, '-inf', began)) do
@@ -345,8 +388,21 @@ while ARGV[i] do
     -- headers at its end has those requests in it already)
     -- (less by more than the margin at the edge: a provider rounds, on another clock)
     local said = math.min(now_limit, remaining)
-    if created or said < level_of(kind, now_limit) - now_limit * MARGIN then
-      store(kind, said - late(kind))
+    local level = level_of(kind, now_limit)
+    store(kind, level)  -- (at the refill as it was: the rate may change below)
+    local theirs = said - late(kind)
+    local tighten = created or said < level - now_limit * MARGIN
+    -- (others are learned only from a header with nothing granted after its request in
+    -- flight: `Budget._window`)
+    local clean = late('requests') == 0
+    if created then
+      redis.call('HSET', B, kind .. ':heard', tostring(now), kind .. ':gap', '0')
+    elseif clean then
+      learn(kind, now_limit, level, level - theirs)
+    end
+    if tighten then
+      store(kind, theirs)
+      if clean then redis.call('HSET', B, kind .. ':gap', '0') end
       counted(kind)
     end
     redis.call('HDEL', B, kind .. ':new')
@@ -372,8 +428,8 @@ return done({0})
 
 # What the budgets are now, for the status (read at each renewal; nothing else changes).
 # ARGV: configured tpm, itpm, otpm. Reply: {hold_left_ms, hold_cause, waiters, tokens used
-# in the last minute by every relay, then (kind, limit, level, header limit) for each
-# budget with a limit}, numbers as strings.
+# in the last minute by every relay, then (kind, limit, level, header limit, what others
+# take a minute) for each budget with a limit}, numbers as strings.
 TOKENS_PEEK = _BUDGET_PRELUDE + r"""
 local cfg = {requests = '0', tokens = ARGV[1], input = ARGV[2], output = ARGV[3]}
 local hold = tonumber(redis.call('HGET', B, 'hold') or '0')
@@ -396,6 +452,7 @@ for _, kind in ipairs(KINDS) do
     table.insert(out, tostring(limit))
     table.insert(out, tostring(level_of(kind, limit)))
     table.insert(out, redis.call('HGET', B, kind .. ':hdr') or '0')
+    table.insert(out, tostring(others_of(kind, limit)))
   end
 end
 return done(out)

@@ -55,7 +55,8 @@ SHIFT = r"""
 local B, F, TX = KEYS[1], KEYS[2], KEYS[3]
 local d = tonumber(ARGV[1])
 for _, field in ipairs({'requests:at', 'tokens:at', 'input:at', 'output:at', 'hold',
-                        'hold_since', 'born'}) do
+                        'hold_since', 'born', 'requests:heard', 'tokens:heard',
+                        'input:heard', 'output:heard'}) do
   local v = tonumber(redis.call('HGET', B, field) or '0')
   if v > 0 then redis.call('HSET', B, field, tostring(v - d)) end
 end
@@ -65,7 +66,8 @@ for _, z in ipairs({F, TX}) do
 end
 return redis.call('HKEYS', B)
 """
-KNOWN_FIELDS = re.compile(r"(requests|tokens|input|output):(hdr|lvl|at|new)|hold(_cause|_reason"
+KNOWN_FIELDS = re.compile(r"(requests|tokens|input|output):(hdr|lvl|at|new|heard|gap|os|osp)"
+                          r"|hold(_cause|_reason"
                           r"|_since)?|seq|born|first(_due)?|[fc]:.+|us?\d+|gi"
                           r"|g\d+")  # (g<n>: a grant, read only once its F entry is gone)
 
@@ -267,6 +269,11 @@ class Pair:
                 free - shared_free) <= tol, (
                 f"{kind} {at}: local {free:,} free of {limit:,}, shared {shared_free:,} of "
                 f"{sb[kind]['limit_per_minute']:,} (± {tol:.0f})")
+            others, shared_others = (lb[kind]["others_per_minute"],
+                                     sb[kind]["others_per_minute"])
+            assert abs(others - shared_others) <= limit * 0.001 + 2, (
+                f"{kind} {at}: others take {others:,} a minute locally, {shared_others:,} "
+                "shared")
         lh, sh = local["hold"], shared["hold"]
         assert (lh is None) == (sh is None), f"hold {at}: local {lh}, shared {sh}"
         if lh is not None and sh is not None:
@@ -567,6 +574,61 @@ def test_any_sequence_within_the_shared_rules_agrees(
 
 
 # --- the rules issue 33 chose (each was a disagreement, d1-d10, before) ----------------------
+
+async def test_what_others_on_the_key_take_is_learned_and_left_to_them(
+        server: RedisServer) -> None:
+    # Another program on the key takes 300 input tokens a second (30 % of 60,000 a
+    # minute): each answer's header says so (the provider's bucket, below, less relay's
+    # takes and the other's). Both sides learn the rate from how far the headers' figures
+    # fall behind their count, and refill at the limit less it.
+    async with pair(server, profile(itpm=60_000)) as p:
+        provider = 60_000.0  # the provider's bucket, by the truth
+        for n in range(20):
+            assert (await p.take(f"r{n}", 3_000, 100)).what == "start"
+            provider -= 3_000
+            await p.advance(1)
+            provider = min(60_000.0, provider + 1_000 - 300)
+            await p.seen(f"r{n}", {"input": (60_000, provider)})
+            await p.settle(f"r{n}", 3_000, 100)
+            await p.advance(1)
+            provider = min(60_000.0, provider + 1_000 - 300)
+            await p.compare()
+        local, _ = await p.views()
+        others = local["budgets"]["input"]["others_per_minute"]
+        assert 15_000 <= others <= 21_000, local["budgets"]["input"]
+        # Quiet (nothing of relay's in flight, no header): relay's count follows the
+        # provider's at the slower refill, within the margin at the edge.
+        await p.advance(10)
+        provider = min(60_000.0, provider + 10 * (1_000 - 300))
+        free = (await p.free())[0]["input"]
+        assert abs(free - provider) <= 600, (free, provider)
+        # A need that would fit at the whole refill waits for the slower one, both sides.
+        need = free + 5_000
+        said = await p.take("big", need, 100)
+        assert said.what == "wait" and said.s > (need + 600 - free) / 1_000 + 1, said
+
+
+async def test_a_counted_requests_own_under_count_is_not_taken_for_others(
+        server: RedisServer) -> None:
+    # a's input is 14,000 by the provider's count, 10,000 by relay's: its header's figure
+    # is 4,000 below relay's count, which sets the level (a is counted there) and looks
+    # like others' take; a's settlement says the 4,000 were relay's own.
+    async with pair(server, profile(itpm=60_000)) as p:
+        await p.take("a0", 1_000, 100)
+        await p.advance(1)
+        await p.seen("a0", {"input": (60_000, 60_000)})
+        await p.settle("a0", 1_000, 100)
+        await p.take("a", 10_000, 100)
+        await p.advance(1)
+        await p.seen("a", {"input": (60_000, 47_000)})
+        await p.compare()
+        assert (await p.views())[0]["budgets"]["input"]["others_per_minute"] > 0
+        await p.settle("a", 14_000, 100)
+        await p.advance(1)
+        await p.compare()
+        assert (await p.views())[0]["budgets"]["input"]["others_per_minute"] == 0
+        assert (await p.free())[0] == {"input": 48_000}
+
 
 async def test_output_in_flight_is_in_a_headers_remaining_not_taken_off_again(
         server: RedisServer) -> None:
