@@ -56,14 +56,6 @@ description, with where this module ("here") and the scripts ("there") keep each
   (``started_at``: its grant), still in flight
   the requests in flight granted at or before it are then _window          TOKENS_SEEN
   counted for that budget (``Reservation.counted``)                        (c:<member>)
-  what that took off for requests granted after the      _window,         TOKENS_SEEN
-  answering one is kept as ``suspect`` (at most the       _Bucket.suspect  (:sus,
-  limit): a provider that reckons a whole answer's                         lastgrant)
-  figure at its end had counted them already. A later
-  header whose request is the last relay granted (none
-  after it, in flight or ended) and whose figure is above
-  relay's level by more than the margin gives it back,
-  up to that figure, and no further
   others on the key: at each header with a remaining     _Bucket.learn,   learn,
   after the first, and nothing granted after its request  _Bucket.others   others_of
   in flight (then when the provider reckoned it does not
