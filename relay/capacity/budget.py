@@ -196,10 +196,6 @@ class _Bucket:
     level: float = 0.0               # as stored at ``at`` (a take, a settlement, a header)
     at: float = -math.inf            # -inf: never stored, whole
     remaining_said: float | None = None  # the last header's remaining, as it said
-    # What a header took off for requests granted after its own, which the provider may
-    # have counted already (a figure reckoned at the answer's end): a later header with
-    # nothing granted after its request may give it back (`Budget._window`).
-    suspect: float = 0.0
     # What others on the key take (`_Bucket.others`): decayed sums of the tokens the
     # headers said were gone beyond relay's count (``seen``) over the seconds they span
     # (``span``); the last header with a remaining (``heard``) and relay's count less its
@@ -296,7 +292,6 @@ class Budget:
         self._buckets: dict[str, _Bucket] = {}  # the budgets with a limit
         self._gone: dict[str, _Bucket] = {}  # without one now: their level waits
         self._inflight: set[Reservation] = set()  # reservations not yet settled
-        self._last_grant = -math.inf  # the latest grant (a header after it is unambiguous)
         # After a hold, one request goes first; the rest wait until its answer comes
         # back (a 200), so a provider that said nothing more meets one 429 a window.
         self._probe_due = False
@@ -419,7 +414,6 @@ class Budget:
             kinds.append(kind)
         reservation = Reservation(need, now, kinds=frozenset(kinds))
         self._inflight.add(reservation)
-        self._last_grant = max(self._last_grant, now)
         if self._probe_due and self.hold_left(now) <= 0:
             self._probe_due, self._probe = False, reservation
         return reservation
@@ -518,21 +512,11 @@ class Budget:
             bucket.learn(now, level, level - theirs)
         if tighten:
             bucket.store(now, theirs)
-            bucket.suspect = min(bucket.limit, bucket.suspect + (said - theirs))
             if clean:
                 bucket.gap = 0.0
             for r in self._inflight:  # their real input is in the provider's count now
                 if started_at is not None and r.at <= started_at:
                     r.counted.add(kind)
-        elif (bucket.suspect > 0 and started_at is not None
-              and self._last_grant <= started_at
-              and said > level + bucket.limit * EDGE_MARGIN):
-            # Nothing granted after this header's request: its figure counts everything
-            # relay started. What an earlier header took off a second time comes back,
-            # as far as this one shows room for it (and no further).
-            back = min(said - level, bucket.suspect)
-            bucket.store(now, level + back)
-            bucket.suspect -= back
 
     def _late(self, kind: str, started_at: float | None, own: Reservation | None) -> int:
         """What requests granted after ``started_at`` (all, when None), ``own`` (the

@@ -220,7 +220,7 @@ for kind, lvl in pairs(levels) do
   table.insert(took, kind)
 end
 redis.call('ZADD', F, now, member)
-redis.call('HSET', B, 'f:' .. member, need_in .. ' ' .. need_out, 'lastgrant', tostring(now))
+redis.call('HSET', B, 'f:' .. member, need_in .. ' ' .. need_out)
 redis.call('HDEL', B, 'c:' .. member)
 -- A start once the hold is over (a connection check too) is the first after it.
 if hold <= now and redis.call('HGET', B, 'first_due') == '1' then
@@ -400,19 +400,10 @@ while ARGV[i] do
     elseif clean then
       learn(kind, now_limit, level, level - theirs)
     end
-    local sus = tonumber(redis.call('HGET', B, kind .. ':sus') or '0') or 0
     if tighten then
       store(kind, theirs)
-      redis.call('HSET', B, kind .. ':sus', tostring(math.min(now_limit, sus + said - theirs)))
       if clean then redis.call('HSET', B, kind .. ':gap', '0') end
       counted(kind)
-    elseif sus > 0 and own ~= '' and said > level + now_limit * MARGIN
-        and (tonumber(redis.call('HGET', B, 'lastgrant') or '') or math.huge) <= began then
-      -- (nothing granted after its request: what an earlier header took off a second
-      -- time comes back, as far as this one shows room for it: `Budget._window`)
-      local back = math.min(said - level, sus)
-      store(kind, level + back)
-      redis.call('HSET', B, kind .. ':sus', tostring(sus - back))
     end
     redis.call('HDEL', B, kind .. ':new')
   end

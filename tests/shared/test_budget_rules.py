@@ -56,7 +56,7 @@ local B, F, TX = KEYS[1], KEYS[2], KEYS[3]
 local d = tonumber(ARGV[1])
 for _, field in ipairs({'requests:at', 'tokens:at', 'input:at', 'output:at', 'hold',
                         'hold_since', 'born', 'requests:heard', 'tokens:heard',
-                        'input:heard', 'output:heard', 'lastgrant'}) do
+                        'input:heard', 'output:heard'}) do
   local v = tonumber(redis.call('HGET', B, field) or '0')
   if v > 0 then redis.call('HSET', B, field, tostring(v - d)) end
 end
@@ -66,9 +66,9 @@ for _, z in ipairs({F, TX}) do
 end
 return redis.call('HKEYS', B)
 """
-KNOWN_FIELDS = re.compile(r"(requests|tokens|input|output):(hdr|lvl|at|new|heard|gap|os|osp|sus)"
+KNOWN_FIELDS = re.compile(r"(requests|tokens|input|output):(hdr|lvl|at|new|heard|gap|os|osp)"
                           r"|hold(_cause|_reason"
-                          r"|_since)?|seq|born|lastgrant|first(_due)?|[fc]:.+|us?\d+|gi"
+                          r"|_since)?|seq|born|first(_due)?|[fc]:.+|us?\d+|gi"
                           r"|g\d+")  # (g<n>: a grant, read only once its F entry is gone)
 
 
@@ -698,16 +698,15 @@ async def test_settlement_gives_an_over_estimate_back_after_a_header(
         await p.advance(1)
         await p.compare()
         assert (await p.free())[0] == {"input": 36_000}
-        # A header above relay's count counts nothing: c is settled whole. With nothing
-        # granted after c, it also gives back what a's header took off for b (the
-        # provider may have counted it already), as far as it shows room: 10,000.
+        # A header above relay's count sets nothing: a request in flight then is settled
+        # whole as well.
         await p.take("c", 10_000, 1_000)
         await p.advance(1)
         await p.seen("c", {"input": (60_000, 59_000)})
         await p.settle("c", 3_000, 1_000)
         await p.advance(1)
         await p.compare()
-        assert (await p.free())[0] == {"input": 45_000}  # 36,000 - 3,000 + 2 s + 10,000
+        assert (await p.free())[0] == {"input": 35_000}  # 36,000 - 3,000 + 2 s * 1,000
 
 
 async def test_a_burst_answers_header_counts_what_was_granted_before_it(
