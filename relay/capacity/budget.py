@@ -156,6 +156,10 @@ class Need:
     sure: bool = True
     estimate: int = 0  # relay's own estimate of the whole prompt (for the learning)
     script: str = ""  # the prompt's script (`relay.capacity.estimate.script_of`)
+    # Relay's raw estimate (`estimate_input`, before the learned ratio) and, of it, the
+    # message framing (`estimate_framing`): what the answer's count is learned against.
+    raw: int = 0
+    framing: int = 0
     least: int | None = None  # the fewest input tokens the provider may count (too_large)
     # The input as the estimate says it now (`relay.capacity.estimate.InputRatio` learns
     # while the request waits): a queued request is admitted on what was learned by

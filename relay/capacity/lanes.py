@@ -65,8 +65,20 @@ budget's whole limit is refused at once (``request_too_large``); one that would 
 held by the provider when its queue timeout passes — or that has a fallback to go to
 (``leave_if_held``) — leaves at once with the hold's Retry-After.
 
+Accounts (SPEC L13, `relay.capacity.account`). The slots, the pacer and the budgets are
+each account's (a provider without accounts has one, ``""``); the queue is the lane's
+alone. The head starts on the account that can start it soonest — a free slot, its pacer,
+its budgets and holds — ties going to the one with most headroom (`_choose`); a waiter
+that names its conversation's account (``prefer``) waits for that one up to the profile's
+``affinity_wait_s``, and one that names accounts that failed it (``avoid``) never starts
+there. An account that is out (a refused key) is left out of the choice until it is due
+again, unless every account is. A waiter held back only for reasons of its own — its
+model's budgets, its conversation's account, the accounts it avoids — may be passed by one
+that can start now (`_waits_for_itself`), so no slot idles while an account could start
+someone.
+
 `tests/helpers/lane_fuzz.py` checks these rules at every step of random runs (SPEC L7-L10,
-and the turns between clients of L14).
+the turns between clients of L14, and lanes split over two accounts).
 
 All bookkeeping is synchronous between checkpoints, so no lock is needed.
 """
@@ -480,7 +492,7 @@ class Lane:
             if (now < until and account.usable(now, waiter.probe, everyone_out)
                     and now + account.meter.hold_left(now, scope) < until):
                 return account, min(at, until)  # it waits for its conversation's account
-        if best is None:  # no free slot: the first account, for what it waits for
+        if best is None:  # no account it may use has a free slot now
             return None, math.inf
         return best, best_at
 
@@ -510,16 +522,18 @@ class Lane:
                 return True
         return False
 
+    def _in_choice(self, now: float) -> list[Account]:
+        """The accounts not out (all of them, when every one is)."""
+        return [a for a in self.accounts if a.usable(now)] or self.accounts
+
     def hold_left(self, now: float | None = None, scope: str | None = None) -> float:
         """How long the provider holds every start of ``scope``: the shortest hold of its
         accounts in the choice (SPEC L12, L13)."""
         now = trio.current_time() if now is None else now
-        accounts = [a for a in self.accounts if a.usable(now)] or self.accounts
-        return min(a.meter.hold_left(now, scope) for a in accounts)
+        return min(a.meter.hold_left(now, scope) for a in self._in_choice(now))
 
     def _holder(self, scope: str | None, now: float) -> Meter:
-        accounts = [a for a in self.accounts if a.usable(now)] or self.accounts
-        return min(accounts, key=lambda a: a.meter.hold_left(now, scope)).meter
+        return min(self._in_choice(now), key=lambda a: a.meter.hold_left(now, scope)).meter
 
     def _head(self) -> _Waiter | None:
         while self._heap and self._heap[0].cancelled:
@@ -661,15 +675,19 @@ class Lane:
                        prefer=prefer if len(self.accounts) > 1 else None, avoid=avoid,
                        since=now)
 
-    def _take(self, ticket: Ticket, now: float, account: Account,
-              need: Need | None) -> None:
+    def _start_on(self, account: Account, need: Need | None, now: float) -> None:
+        """A start on ``account``: its slot, its pacer, the lane's count of slots held."""
         self._borrowed += 1
         account.borrowed += 1
         account.took(need, now)
+        account.pacer.add(now)
         self._held_since.append(now)
+
+    def _take(self, ticket: Ticket, now: float, account: Account,
+              need: Need | None) -> None:
+        self._start_on(account, need, now)
         ticket.started_at = now
         ticket.account = account
-        account.pacer.add(now)
 
     def _unstart(self, waiter: _Waiter) -> None:
         """A grant handed straight back was no start: the pacer forgets it, and its
@@ -734,10 +752,7 @@ class Lane:
     def _grant(self, waiter: _Waiter, now: float, account: Account) -> None:
         """Give ``waiter`` (taken off the queue) a slot of ``account``, its reservation
         and a start."""
-        self._borrowed += 1
-        account.borrowed += 1
-        account.took(waiter.need, now)
-        self._held_since.append(now)
+        self._start_on(account, waiter.need, now)
         self._live -= 1
         waiter.granted = True
         waiter.granted_at = now
@@ -746,7 +761,6 @@ class Lane:
         if waiter.head_since is not None:
             waiter.token_wait_s = now - waiter.head_since
         waiter.reservation = account.meter.reserve(waiter.need)
-        account.pacer.add(now)
         waiter.event.set()
 
     def _forget(self, waiter: _Waiter) -> None:

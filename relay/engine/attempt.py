@@ -191,6 +191,7 @@ class Run:
     # lane slot is on ("" for a provider without accounts; None before it has one).
     avoid: frozenset[str] = frozenset()
     account: str | None = None
+    conversation: str | None = None  # its call's conversation, once asked (`needs`)
 
     @property
     def changed(self) -> trio.Event:

@@ -35,9 +35,7 @@ from relay.capacity.budget import (
     Need,
     Reservation,
     bounded_hold,
-    estimate_input,
 )
-from relay.capacity.estimate import estimate_framing
 from relay.capacity.lane_api import LaneLike
 from relay.capacity.lanes import Lane, Ticket
 from relay.capacity.meter import scope_of
@@ -49,7 +47,7 @@ from relay.vocab.limits import RateLimits
 from relay.vocab.records import Record
 
 from .attempt import Delivered, Run
-from .needs import conversation_of, need_of, skips_cache_reads
+from .needs import conversation, need_of, skips_cache_reads
 from .plan import Plan, Target
 from .providers import Provider
 
@@ -89,7 +87,7 @@ def slot(dispatcher: Attempting, run_: Run, on_queued: Callable[[], None]
         return lane.slot(priority, on_queued=on_queued)
     prefer = None
     if len(lane.accounts) > 1:  # SPEC L13: its conversation's account, if one served it
-        prefer = run_.target.provider.affinity.get(conversation_of(run_.call))
+        prefer = run_.target.provider.affinity.get(conversation(run_))
     return lane.slot(priority, client=dispatcher.client, weight=dispatcher.client_weight,
                      on_queued=on_queued, need=need_of(run_, lane.budget.learned),
                      leave_if_held=run_.has_fallback,
@@ -109,7 +107,7 @@ async def _shared_slot(lanes: SharedLane | SharedAccounts, run_: Run, priority: 
     need = need_of(run_, lanes.tokens.learned)
     held = (lanes.slot(priority, client=client, weight=weight, on_queued=on_queued,
                        avoid=run_.avoid, probe=probe,
-                       prefer=run_.target.provider.affinity.get(conversation_of(run_.call)))
+                       prefer=run_.target.provider.affinity.get(conversation(run_)))
             if isinstance(lanes, SharedAccounts)
             else lanes.slot(priority, client=client, weight=weight, on_queued=on_queued))
     async with held as ticket:
@@ -259,7 +257,7 @@ async def _run_shared(adapter: Adapter, lanes: SharedLane | SharedAccounts, tick
     try:
         await adapter.run(run_.call, run_.sink)
         if isinstance(lanes, SharedAccounts) and run_.sink.usage is not None:
-            run_.target.provider.served(conversation_of(run_.call), name)
+            run_.target.provider.served(conversation(run_), name)
     except RelayError as exc:
         error = exc
         if isinstance(lanes, SharedAccounts):
@@ -329,7 +327,7 @@ def settle(lane: Lane, ticket: Ticket, run_: Run, record: Record,
     learn(lane.budget.learned, run_, error, reservation.need)
     if error is None and usage is not None and len(lane.accounts) > 1:
         # SPEC L13: its conversation's next turn prefers the account that served it.
-        run_.target.provider.served(conversation_of(run_.call), ticket.account_name)
+        run_.target.provider.served(conversation(run_), ticket.account_name)
     estimated = not reported and not (error is not None and used_in == used_out == 0)
     lane.settle(ticket, used_in, used_out)
     note(record, reservation, used_in, used_out, estimated)
@@ -344,15 +342,14 @@ def learn(learned: Learned, run_: Run, error: RelayError | None,
         return
     if need is not None and skips_cache_reads(run_.target.provider):
         run_.target.provider.conversations.saw(
-            conversation_of(run_.call), need.estimate, usage.prompt_tokens,
+            conversation(run_), need.estimate, usage.prompt_tokens,
             (usage.cache_read_tokens or 0) + (usage.cache_write_tokens or 0))
     if usage.completion_tokens is not None and run_.sink.complete:
         learned.learn(run_.call.model, usage.completion_tokens)
         if need is not None and need.script:  # (the raw estimate, the whole prompt)
             provider = run_.target.provider
-            provider.input_ratio.learn(run_.call.model, need.script,
-                                       estimate_input(run_.call), usage.prompt_tokens,
-                                       estimate_framing(run_.call))
+            provider.input_ratio.learn(run_.call.model, need.script, need.raw,
+                                       usage.prompt_tokens, need.framing)
 
 
 def count_wait(ticket: Ticket, record: Record) -> None:

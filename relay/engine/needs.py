@@ -20,7 +20,14 @@ from relay.vocab.events import Call
 from .attempt import Run
 from .providers import Provider
 
-__all__ = ["conversation_of", "marks_cache", "need_of", "skips_cache_reads"]
+__all__ = ["conversation", "conversation_of", "marks_cache", "need_of", "skips_cache_reads"]
+
+
+def conversation(run_: Run) -> str:
+    """The attempt's conversation (`conversation_of` its call), worked out once."""
+    if run_.conversation is None:
+        run_.conversation = conversation_of(run_.call)
+    return run_.conversation
 
 
 def need_of(run_: Run, learned_from: Learned) -> Need:
@@ -47,7 +54,7 @@ def need_of(run_: Run, learned_from: Learned) -> Need:
     relearn: Callable[[], int] | None = functools.partial(
         ratio.adjust, call.model, script, raw, fixed)
     if skips_cache_reads(provider) and marks_cache(call):  # (unmarked: nothing cached)
-        uncached = provider.conversations.uncached(conversation_of(call), estimate)
+        uncached = provider.conversations.uncached(conversation(run_), estimate)
         if uncached is not None:
             needed, least = uncached, min(least, uncached)
         else:
@@ -56,7 +63,7 @@ def need_of(run_: Run, learned_from: Learned) -> Need:
     return Need(needed, output_reservation(
         call, learned, provider_max if isinstance(provider_max, int) else None),
         scope=scope_of(call.model), sure=sure, estimate=estimate, script=script,
-        least=least, relearn=relearn)
+        raw=raw, framing=fixed, least=least, relearn=relearn)
 
 
 def skips_cache_reads(provider: Provider) -> bool:

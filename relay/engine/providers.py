@@ -222,22 +222,18 @@ class Provider:
                 and (found := lane.account(account)) is not None):
             if error is None:
                 lane.account_answered(found)
-                now = trio.current_time()
-                out = [a for a in lane.accounts if not a.usable(now)]
+            elif error.reason in TRAFFIC_FAILS:
+                lane.account_failed(found, error.reason, error.message)
+            now = trio.current_time()
+            out = [a for a in lane.accounts if not a.usable(now)]
+            if error is None or (error.reason in TRAFFIC_FAILS
+                                 and len(out) < len(lane.accounts)):
+                # Connected while an account serves; the warning names those that are out.
                 self.state, self.state_reason, self.seen_at = "connected", None, now
                 self.warning = "; ".join(
                     f"account {a.name!r}: {a.out_message} — it is out of the choice for "
                     "a while; the other accounts serve" for a in out) or None
                 return
-            if error.reason in TRAFFIC_FAILS:
-                lane.account_failed(found, error.reason, error.message)
-                now = trio.current_time()
-                if any(a.usable(now) for a in lane.accounts):
-                    self.state, self.state_reason = "connected", None
-                    self.warning = (f"account {account!r}: {error.message} — it is out of "
-                                    "the choice for a while; the other accounts serve")
-                    self.seen_at = now
-                    return
         if error is None:
             self.state, self.state_reason, self.warning = "connected", None, None
         elif error.reason in TRAFFIC_WARNS or error.reason in TRAFFIC_FAILS:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import trio
 
@@ -31,6 +31,7 @@ return {redis.call('ZCARD', KEYS[1]), redis.call('ZCARD', KEYS[2])}
 """
 
 
+@runtime_checkable
 class Counted(Protocol):
     """A lane whose figures a status read refreshes (`SharedLane`, `SharedAccounts`)."""
 
@@ -40,7 +41,7 @@ class Counted(Protocol):
 async def refresh(lanes: Iterable[object], timeout_s: float = 0.5) -> None:
     """Refresh every shared lane of ``lanes`` at once (others are left alone), within
     ``timeout_s``; a lane the server does not answer for keeps its last figures."""
-    counted = [lane for lane in lanes if callable(getattr(lane, "refresh_figures", None))]
+    counted = [lane for lane in lanes if isinstance(lane, Counted)]
     if not counted:
         await trio.lowlevel.checkpoint()
         return
@@ -54,4 +55,4 @@ async def refresh(lanes: Iterable[object], timeout_s: float = 0.5) -> None:
     with trio.move_on_after(timeout_s):
         async with trio.open_nursery() as nursery:
             for lane in counted:
-                nursery.start_soon(one, lane)  # type: ignore[arg-type]
+                nursery.start_soon(one, lane)
