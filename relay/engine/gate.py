@@ -136,7 +136,9 @@ class Gate:
         if self._admit is not None and self._shared() is not None:
             await self._admit(record.id)  # (``client_limit`` before anything is queued)
         began = trio.current_time()
-        tokens = estimate_input(call) + output_reservation(call, None)
+        # (its tokens count only against a tpm limit: not estimated for a client without)
+        tokens = (estimate_input(call) + output_reservation(call, None)
+                  if self._settings(self.name).tpm else 0)
         async with self.enter(tokens, began + queue_timeout_s, on_wait) as passed:
             waited = trio.current_time() - began
             if waited > 0:
