@@ -10,8 +10,8 @@ head waits exactly that, as it waits for the pacer, SPEC L9), ``reserve`` at the
 sent and read, marked so), ``observe`` for an answer's headers, ``hold`` for a 429 that
 said when or a usage-window notice. The provider is the truth: where a configured figure
 (maybe this relay's share of the account) and a header (the account's ceiling) disagree,
-the lower limit wins, and a header's ``remaining`` may lower relay's count, never raise it
-(but for a budget it makes).
+the lower limit wins, and a header's ``remaining`` may lower relay's count, and raise it
+only as far as no reading of when the provider reckoned it could make too much (below).
 
 A shared provider (``shared = true``) keeps the same rules in Lua on the coordination
 server (`relay.shared.budget_scripts`, on the server's clock). This table is the rules' one
@@ -56,13 +56,24 @@ description, with where this module ("here") and the scripts ("there") keep each
   (``started_at``: its grant), still in flight
   the requests in flight granted at or before it are then _window          TOKENS_SEEN
   counted for that budget (``Reservation.counted``)                        (c:<member>)
+  it raises relay's level when it says more by more than  _window, _since  since,
+  the margin, from a request begun after the last header                   <kind>:set
+  that set the level (``told``), less every grant made
+  since ``RECKON_S`` before that request's (the last
+  ``SETTLED_KEPT`` settled ones with what they used; an
+  older one pushed out: not known, no raise); those in
+  flight granted before that are then counted, and its
+  own
   others on the key: at each header with a remaining     _Bucket.learn,   learn,
   after the first, and nothing granted after its request  _Bucket.others   others_of
   in flight (then when the provider reckoned it does not
   matter), what they took since the last such one is
   how far relay's count less the header's figure grew
   since then, plus what the refill left them (not while
-  the bucket is whole); a decayed sum of it over a decayed
+  the bucket is whole); a header not so that sets the
+  level ends the measure (the next such one starts it
+  anew: its figure may hold what relay took off again); a
+  decayed sum of it over a decayed
   sum of the seconds (``OTHERS_TAU_S``), at least
   ``OTHERS_MIN_S``, is their rate, 0 to ``OTHERS_CAP`` of
   the limit; the level is stored (at the old rate) first
@@ -112,8 +123,8 @@ from relay.vocab.profile import Profile
 
 from .estimate import OUTPUT_FLOOR, Learned, estimate_input, estimate_text, output_reservation
 
-__all__ = ["EDGE_MARGIN", "OUTPUT_FLOOR", "USAGE_WINDOW_MAX_HOLD_S", "Budget", "Learned",
-           "Need", "Reservation", "bounded_hold", "edge_want", "estimate_input",
+__all__ = ["EDGE_MARGIN", "OUTPUT_FLOOR", "RECKON_S", "USAGE_WINDOW_MAX_HOLD_S", "Budget",
+           "Learned", "Need", "Reservation", "bounded_hold", "edge_want", "estimate_input",
            "estimate_text", "held_error", "output_reservation", "too_large",
            "too_large_error"]
 
@@ -135,6 +146,14 @@ EDGE_MARGIN = 0.01
 OTHERS_TAU_S = 60.0
 OTHERS_MIN_S = 5.0
 OTHERS_CAP = 0.5
+
+# A grant reaches the provider within this many seconds: one made so long before the
+# answering request's may still have been admitted after it. A header raises relay's
+# count only to its figure less every grant made since then (``Budget._window``).
+RECKON_S = 2.0
+# The settled grants kept for that (a header may come after requests granted since its
+# own have settled); an older one pushed out makes the window unknown (no raise).
+SETTLED_KEPT = 16
 
 
 def edge_want(cost: float, limit: float) -> float:
@@ -208,6 +227,7 @@ class _Bucket:
     span: float = 0.0
     heard: float | None = None
     gap: float = 0.0
+    told: float = -math.inf  # when a header last set the level (``Budget._window``)
 
     @property
     def others(self) -> float:
@@ -296,6 +316,10 @@ class Budget:
         self._buckets: dict[str, _Bucket] = {}  # the budgets with a limit
         self._gone: dict[str, _Bucket] = {}  # without one now: their level waits
         self._inflight: set[Reservation] = set()  # reservations not yet settled
+        # The last settled ones, with what they used, and the latest grant of those
+        # pushed out (``_since``).
+        self._settled: collections.deque[tuple[Reservation, Need]] = collections.deque()
+        self._pushed_out = -math.inf
         # After a hold, one request goes first; the rest wait until its answer comes
         # back (a 200), so a provider that said nothing more meets one 429 a window.
         self._probe_due = False
@@ -454,6 +478,9 @@ class Budget:
             bucket.store(now, min(bucket.limit, bucket.level_at(now) + back))
         if count:
             self._count(now, used_in + used_out)
+        self._settled.append((reservation, used))
+        if len(self._settled) > SETTLED_KEPT:
+            self._pushed_out = max(self._pushed_out, self._settled.popleft()[0].at)
         self.on_change()
 
     # --- what the provider said -------------------------------------------------------------
@@ -506,6 +533,14 @@ class Budget:
         # margin at the edge (a provider rounds, on another clock: a hair is no news, and
         # what started since would come off it again).
         tighten = created or said < level - bucket.limit * EDGE_MARGIN
+        # It raises relay's count when it says more by as much, less every grant made
+        # since ``RECKON_S`` before its request's (whenever the provider reckoned it,
+        # none of those may be in it): a count taken off twice comes back (SPEC L12a).
+        # Only a request begun after the last header that set the count can: its
+        # figure was reckoned after that one's.
+        newer = started_at is not None and started_at > bucket.told
+        floor = None if tighten or not newer else self._since(kind, started_at, own)
+        lift = floor is not None and said - floor > level + bucket.limit * EDGE_MARGIN
         # What others take is learned from a header only when nothing relay granted after
         # the answering request is in flight: then it does not matter whether the
         # provider reckoned it at the request's admission or at its answer's end.
@@ -514,13 +549,35 @@ class Budget:
             bucket.heard, bucket.gap = now, 0.0
         elif clean:
             bucket.learn(now, level, level - theirs)
-        if tighten:
-            bucket.store(now, theirs)
+        if tighten or lift:
+            new = theirs if tighten else said - (floor or 0)
+            bucket.store(now, new)
+            bucket.told = now
+            # What others take is measured between clean headers on relay's count: one
+            # this header moved is no take of theirs. Not clean, its figure may hold what
+            # relay took off again: the measure starts anew at the next clean header.
             if clean:
-                bucket.gap = 0.0
-            for r in self._inflight:  # their real input is in the provider's count now
-                if started_at is not None and r.at <= started_at:
-                    r.counted.add(kind)
+                bucket.gap = new - theirs
+            elif not created:
+                bucket.heard = None
+            if started_at is not None:  # their real input is in the provider's count now
+                before = started_at if tighten else started_at - RECKON_S
+                for r in self._inflight:
+                    if r.at <= before or r is own:
+                        r.counted.add(kind)
+
+    def _since(self, kind: str, started_at: float | None, own: Reservation | None
+               ) -> float | None:
+        """What every grant made since ``RECKON_S`` before ``started_at``, ``own`` aside,
+        takes of a budget of ``kind``: its need in flight, what it used settled. None:
+        not known (no start, or a settled one of then no longer kept)."""
+        if started_at is None or self._pushed_out > started_at - RECKON_S:
+            return None
+        since = started_at - RECKON_S
+        return (sum(r.need.cost(kind) for r in self._inflight
+                    if r is not own and r.at > since)
+                + sum(used.cost(kind) for r, used in self._settled
+                      if r is not own and r.at > since))
 
     def _late(self, kind: str, started_at: float | None, own: Reservation | None) -> int:
         """What requests granted after ``started_at`` (all, when None), ``own`` (the

@@ -11,8 +11,10 @@ Keys of one lane (``KEYS``, all in the lane's ``{prefix:provider}`` cluster slot
               hold; ``f:<member>`` the need ("in out") and ``c:<member>`` the budgets a
               header counted of each request in flight; ``born``, when the keys were
               made (``<kind>:new``: made anew after they were lost, see below);
-              ``g0``-``g15``, ``gi``: the last 16 settled requests' grants ("member
-              ms"), for a header that comes after its request's settlement
+              ``g0``-``g15``, ``gi``: the last 16 settled requests' grants and what
+              they used ("member ms in out"), for a header that comes after its
+              request's settlement and for what was granted since a header's request
+              (``gev``: the latest grant of those pushed out of the ring)
     T   zset  token waiter member -> rank * 2^40 + arrival (priority class, then FIFO)
     TX  zset  token waiter member -> when its place ends (ms) unless it asks again
     F   zset  request in flight (member) -> its start, the grant (ms)
@@ -47,6 +49,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local KINDS = {'requests', 'tokens', 'input', 'output'}
 local MARGIN = 0.01  -- relay.capacity.budget.EDGE_MARGIN
+local RECKON_MS = 2000  -- relay.capacity.budget.RECKON_S
 -- relay.capacity.budget.OTHERS_TAU_S, OTHERS_MIN_S, OTHERS_CAP: what others on the key take
 local OTHERS_TAU_S, OTHERS_MIN_S, OTHERS_CAP = 60, 5, 0.5
 local DAY_MS = 86400000  -- the longest hold (relay.capacity.budget.USAGE_WINDOW_MAX_HOLD_S)
@@ -282,15 +285,20 @@ if redis.call('HGET', B, 'us' .. slot) ~= tostring(sec) then
   redis.call('HSET', B, 'u' .. slot, '0', 'us' .. slot, tostring(sec))
 end
 redis.call('HINCRBY', B, 'u' .. slot, u_in + u_out)
-if member ~= '' then
-  -- Its grant, for its answer's header if that comes after this (the last 16 kept).
-  local start = redis.call('ZSCORE', F, member)
-  if start then
-    local n = redis.call('HINCRBY', B, 'gi', 1) % 16
-    redis.call('HSET', B, 'g' .. n, member .. ' ' .. start)
-  end
-  forget(member)
+-- Its grant and what it used, for a header that comes after this (the last 16 kept;
+-- the latest grant of one pushed out, or of one not known, in gev).
+local start = member ~= '' and redis.call('ZSCORE', F, member)
+local gev = tonumber(redis.call('HGET', B, 'gev') or '') or -1
+if start then
+  local n = redis.call('HINCRBY', B, 'gi', 1) % 16
+  local old = string.match(redis.call('HGET', B, 'g' .. n) or '', '^%S+ (%S+)')
+  if old then gev = math.max(gev, tonumber(old)) end
+  redis.call('HSET', B, 'g' .. n, member .. ' ' .. start .. ' ' .. u_in .. ' ' .. u_out)
+else
+  gev = now
 end
+redis.call('HSET', B, 'gev', tostring(gev))
+if member ~= '' then forget(member) end
 prune()
 if member ~= '' and redis.call('HGET', B, 'first') == member then
   first_done(ARGV[8])
@@ -312,14 +320,19 @@ local hold_ms, cause, reason, ok = math.min(tonumber(ARGV[4]), DAY_MS), ARGV[5],
 local own = ARGV[10]
 -- The answering request's grant: its start in F (exact), or kept at its settlement
 -- (g0-g15: the last 16 settled), else as its relay said.
-local began = tonumber(own ~= '' and redis.call('ZSCORE', F, own) or '')
-if not began and own ~= '' then
+local settled = {}  -- the ring: {member, grant, used in, used out}
+do
   local ring = {}
   for n = 0, 15 do ring[n + 1] = 'g' .. n end
   for _, v in ipairs(redis.call('HMGET', B, unpack(ring))) do
-    if v and string.sub(v, 1, #own + 1) == own .. ' ' then
-      began = tonumber(string.sub(v, #own + 2))
-    end
+    local m, g, ui, uo = string.match(v or '', '^(%S+) (%S+) (%S+) (%S+)$')
+    if m then table.insert(settled, {m, tonumber(g), tonumber(ui), tonumber(uo)}) end
+  end
+end
+local began = tonumber(own ~= '' and redis.call('ZSCORE', F, own) or '')
+if not began and own ~= '' then
+  for _, e in ipairs(settled) do
+    if e[1] == own then began = e[2] end
   end
 end
 began = began or now - tonumber(ARGV[8])
@@ -344,6 +357,30 @@ local function late(kind)
   end
   return late_cost[kind]
 end
+-- What every grant since RECKON_MS before the answering one's (its own aside) takes of a
+-- budget: its need in flight, what it used settled (`Budget._since`); nil: not known.
+local function since(kind)
+  if (tonumber(redis.call('HGET', B, 'gev') or '') or -1) > began - RECKON_MS then
+    return nil
+  end
+  local sum = 0
+  local function add(i, o)
+    if kind == 'requests' then sum = sum + 1
+    elseif kind == 'tokens' then sum = sum + i + o
+    elseif kind == 'input' then sum = sum + i
+    else sum = sum + o end
+  end
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', F, '(' .. (began - RECKON_MS), '+inf')) do
+    if m ~= own then
+      local i, o = string.match(redis.call('HGET', B, 'f:' .. m) or '', '^(%S+) (%S+)$')
+      add(tonumber(i) or 0, tonumber(o) or 0)
+    end
+  end
+  for _, e in ipairs(settled) do
+    if e[1] ~= own and e[2] > began - RECKON_MS then add(e[3], e[4]) end
+  end
+  return sum
+end
 -- A header with a remaining: what others took since the last one (`_Bucket.learn`).
 local function learn(kind, limit, level, gap)
   local f = redis.call('HMGET', B, kind .. ':heard', kind .. ':gap', kind .. ':os',
@@ -361,9 +398,12 @@ local function learn(kind, limit, level, gap)
   end
   redis.call('HSET', B, kind .. ':heard', tostring(now), kind .. ':gap', tostring(gap))
 end
--- The requests granted at or before it hold their real input in that budget now.
-local function counted(kind)
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', F, '-inf', began)) do
+-- The requests granted at or before ``upto`` (and its own) hold their real input in
+-- that budget now.
+local function counted(kind, upto)
+  local those = redis.call('ZRANGEBYSCORE', F, '-inf', upto)
+  if own ~= '' and redis.call('ZSCORE', F, own) then table.insert(those, own) end
+  for _, m in ipairs(those) do
     local c = redis.call('HGET', B, 'c:' .. m) or ''
     if not string.find(' ' .. c .. ' ', ' ' .. kind .. ' ', 1, true) then
       redis.call('HSET', B, 'c:' .. m, c == '' and kind or c .. ' ' .. kind)
@@ -392,6 +432,15 @@ while ARGV[i] do
     store(kind, level)  -- (at the refill as it was: the rate may change below)
     local theirs = said - late(kind)
     local tighten = created or said < level - now_limit * MARGIN
+    -- (it raises the count when it says more by as much, less every grant since
+    -- RECKON_MS before its request's: `Budget._window`)
+    local floor = nil
+    -- (only from a request begun after the last header that set the count: <kind>:set)
+    if not tighten and began > (tonumber(redis.call('HGET', B, kind .. ':set') or '')
+                                or -1) then
+      floor = since(kind)
+    end
+    local lift = floor ~= nil and said - floor > level + now_limit * MARGIN
     -- (others are learned only from a header with nothing granted after its request in
     -- flight: `Budget._window`)
     local clean = late('requests') == 0
@@ -400,10 +449,19 @@ while ARGV[i] do
     elseif clean then
       learn(kind, now_limit, level, level - theirs)
     end
-    if tighten then
-      store(kind, theirs)
-      if clean then redis.call('HSET', B, kind .. ':gap', '0') end
-      counted(kind)
+    if tighten or lift then
+      local new = theirs
+      if not tighten then new = said - floor end
+      store(kind, new)
+      redis.call('HSET', B, kind .. ':set', tostring(now))
+      -- (others are measured between clean headers on the relays' count; not clean, the
+      -- measure starts anew at the next clean header: `Budget._window`)
+      if clean then
+        redis.call('HSET', B, kind .. ':gap', tostring(new - theirs))
+      elseif not created then
+        redis.call('HDEL', B, kind .. ':heard')
+      end
+      counted(kind, tighten and began or began - RECKON_MS)
     end
     redis.call('HDEL', B, kind .. ':new')
   end

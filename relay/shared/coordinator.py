@@ -3,8 +3,9 @@
 Theory of operation. A `Coordinator` lives as one task of relay's own nursery (`serve`)
 and holds, for the relay's life, a `relay.redis.resp` client (one pipelined connection,
 no task of its own), one pub/sub subscription on this relay's own wake-up channel, and
-the renewal loop. Every `SharedLane` of the relay calls
-the server through `call`, which bounds each command (``command_timeout_s``) and turns any
+the renewal loop. Every `SharedLane` of the relay calls the server through `call`, which
+bounds each command (``command_timeout_s``: a deadline that fires far past its time was
+this relay's own loop standing still, and the command goes once more) and turns any
 failure into ``coordination_unavailable``.
 
 Why no blocking command: a ``BLPOP`` cancelled by a trio scope leaves a pipelined
@@ -97,13 +98,12 @@ class Coordinator:
         self.subscribed = trio.Event()
         self._members = itertools.count()
         self._client: resp.Client | None = None
-        self._scripts = {name: resp.Script(getattr(lane_scripts, name))
-                         for name in ("SYNC", "ACQUIRE", "LEAVE", "RELEASE", "PUMP", "CLAIM")}
-        self._scripts.update((name, resp.Script(source))  # the token budgets' (SPEC L12)
-                             for name, source in budget_scripts.SCRIPTS.items())
-        self._scripts.update((name, resp.Script(getattr(client_scripts, name)))  # L14
-                             for name in client_scripts.__all__)
-        self._scripts["COUNTS"] = resp.Script(figures.COUNTS)  # (a status read's)
+        # The lanes', the token budgets' (SPEC L12), the clients' (L14), a status read's.
+        sources = {**{n: getattr(lane_scripts, n) for n in (
+            "SYNC", "ACQUIRE", "LEAVE", "RELEASE", "PUMP", "CLAIM")}, **budget_scripts.SCRIPTS,
+            **{n: getattr(client_scripts, n) for n in client_scripts.__all__},
+            "COUNTS": figures.COUNTS}
+        self._scripts = {name: resp.Script(source) for name, source in sources.items()}
         self._renew_now = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._calls = 0  # commands on their way (a stop lets them land first)
@@ -120,7 +120,7 @@ class Coordinator:
 
     def add(self, lane: CoordinatedLane) -> None:
         self.lanes[lane.name] = lane
-        self.renew_soon()
+        self._renew_now.set()
 
     async def forget_when_idle(self, lane: CoordinatedLane) -> None:
         """A removed provider's lane: renewed until its last request has left."""
@@ -133,8 +133,7 @@ class Coordinator:
 
     def keys(self, lane: str) -> list[str]:
         base = "{" + f"{self.prefix}:{lane}" + "}"
-        return [f"{base}:h", f"{base}:w", f"{base}:wx", f"{base}:m", f"{base}:r",
-                f"{base}:s"]
+        return [f"{base}:{k}" for k in ("h", "w", "wx", "m", "r", "s")]
 
     def renew_soon(self) -> None:
         self._renew_now.set()
@@ -173,26 +172,31 @@ class Coordinator:
                 self._calls_done = trio.Event()
 
     async def _call(self, client: resp.Client, script: str, keys: list[str],
-                    args: list[Any], provider: str) -> Any:
+                    args: list[Any], provider: str, again: bool = False) -> Any:
+        began = trio.current_time()
         try:
             with trio.fail_after(self.command_timeout_s):
                 try:
-                    return await client.script(self._scripts[script], keys, args)
+                    reply = await client.script(self._scripts[script], keys, args)
+                    return self._after_retry(script, reply) if again else reply
                 except resp.ConnectionLost:
                     # A connection the server dropped (it restarted): once more, on a
                     # fresh one, if the server takes connections at all. Every script is
                     # safe to run twice (the member says where it stands).
                     if not await self._reachable():
                         raise
-                    again = await client.script(self._scripts[script], keys, args)
-                    return self._after_retry(script, again)
+                    reply = await client.script(self._scripts[script], keys, args)
+                    return self._after_retry(script, reply)
         except trio.TooSlowError as exc:
             client.reset()  # the server may be stuck (SIGSTOP): the next call connects anew
-            self._down(f"no answer within {self.command_timeout_s:g} s")
-            raise self.unavailable(provider) from exc
+            if again or trio.current_time() - began < self.command_timeout_s * 1.5:
+                self._down(f"no answer within {self.command_timeout_s:g} s")
+                raise self.unavailable(provider) from exc
         except _FOREIGN as exc:
             self._down(f"{type(exc).__name__}: {exc}")
             raise self.unavailable(provider) from exc
+        # (fired far past its time: this relay's loop stood still, not the server)
+        return await self._call(client, script, keys, args, provider, again=True)
 
     def _after_retry(self, script: str, reply: Any) -> Any:
         """A script run again after its connection broke before the reply: the first run
@@ -212,9 +216,8 @@ class Coordinator:
             return False
         key = "{" + f"{self.prefix}:{lane}" + "}:check"
         try:
-            won = await self.call("CLAIM", [key], [self.relay_id,
-                                                   max(1, int(interval_s * 1000))],
-                                  provider=lane)
+            won = await self.call("CLAIM", [key], [self.relay_id, max(
+                1, int(interval_s * 1000))], provider=lane)
         except RelayError:
             return False
         return bool(won)
@@ -234,16 +237,14 @@ class Coordinator:
         except ValueError as exc:  # (checked at load; never quoted: it may hold a password)
             raise ConfigError([f"[server] coordination_url: {exc}"]) from exc
         async with opened as client, trio.open_nursery() as nursery:
-            self._client = client
-            self._nursery = nursery
+            self._client, self._nursery = client, nursery
             nursery.start_soon(self._listen)
             with trio.move_on_after(self.command_timeout_s * 2):
                 await self.subscribed.wait()
             await self._renew_all(at_start=True)
             if self.available:
-                await deployment.warn_about_eviction(client,
-                                                             2 * self.command_timeout_s)
-            if not self.available:
+                await deployment.warn_about_eviction(client, 2 * self.command_timeout_s)
+            else:
                 logger.warning("shared lanes: the coordination server is unreachable at "
                                "start (%s); shared providers answer "
                                "coordination_unavailable until it is back", self.down_reason)
@@ -254,8 +255,7 @@ class Coordinator:
                 # Relay stops: no new call starts, and give-backs already on their way
                 # (requests stopped by the same cancel) may land before the connections
                 # close — shielded, bounded by one command's time.
-                self._client = None
-                self.available = False
+                self._client, self.available = None, False
                 with trio.CancelScope(shield=True, deadline=trio.current_time()
                                       + self.command_timeout_s):
                     await trio.lowlevel.checkpoint()  # their finally blocks run first

@@ -56,9 +56,16 @@ local B, F, TX = KEYS[1], KEYS[2], KEYS[3]
 local d = tonumber(ARGV[1])
 for _, field in ipairs({'requests:at', 'tokens:at', 'input:at', 'output:at', 'hold',
                         'hold_since', 'born', 'requests:heard', 'tokens:heard',
-                        'input:heard', 'output:heard'}) do
+                        'input:heard', 'output:heard', 'requests:set', 'tokens:set',
+                        'input:set', 'output:set'}) do
   local v = tonumber(redis.call('HGET', B, field) or '0')
   if v > 0 then redis.call('HSET', B, field, tostring(v - d)) end
+end
+local gev = tonumber(redis.call('HGET', B, 'gev') or '')
+if gev and gev > 0 then redis.call('HSET', B, 'gev', tostring(gev - d)) end
+for n = 0, 15 do  -- the settled grants' ring: "member ms in out"
+  local m, g, rest = string.match(redis.call('HGET', B, 'g' .. n) or '', '^(%S+) (%S+)(.*)$')
+  if m then redis.call('HSET', B, 'g' .. n, m .. ' ' .. (tonumber(g) - d) .. rest) end
 end
 for _, z in ipairs({F, TX}) do
   local all = redis.call('ZRANGE', z, 0, -1, 'WITHSCORES')
@@ -66,10 +73,10 @@ for _, z in ipairs({F, TX}) do
 end
 return redis.call('HKEYS', B)
 """
-KNOWN_FIELDS = re.compile(r"(requests|tokens|input|output):(hdr|lvl|at|new|heard|gap|os|osp)"
+KNOWN_FIELDS = re.compile(r"(requests|tokens|input|output):(hdr|lvl|at|new|heard|gap|os|osp|set)"
                           r"|hold(_cause|_reason"
-                          r"|_since)?|seq|born|first(_due)?|[fc]:.+|us?\d+|gi"
-                          r"|g\d+")  # (g<n>: a grant, read only once its F entry is gone)
+                          r"|_since)?|seq|born|first(_due)?|[fc]:.+|us?\d+|gi|gev"
+                          r"|g\d+")  # (g<n>: a settled grant; gev: one pushed out)
 
 
 @attrs.frozen
@@ -698,15 +705,58 @@ async def test_settlement_gives_an_over_estimate_back_after_a_header(
         await p.advance(1)
         await p.compare()
         assert (await p.free())[0] == {"input": 36_000}
-        # A header above relay's count sets nothing: a request in flight then is settled
-        # whole as well.
+        # A header above relay's count from a request begun after the header that set
+        # it raises it (less what was granted since RECKON_S before c: nothing): c's
+        # real input is in it, only its output is settled.
         await p.take("c", 10_000, 1_000)
         await p.advance(1)
-        await p.seen("c", {"input": (60_000, 59_000)})
+        await p.seen("c", {"input": (60_000, 50_000)})
         await p.settle("c", 3_000, 1_000)
         await p.advance(1)
         await p.compare()
-        assert (await p.free())[0] == {"input": 35_000}  # 36,000 - 3,000 + 2 s * 1,000
+        assert (await p.free())[0] == {"input": 51_000}  # 50,000 + 1 s * 1,000
+
+
+async def test_a_newer_header_above_the_count_raises_it_less_every_grant_since(
+        server: RedisServer) -> None:
+    # A provider that reckons a whole answer's headers at its end has the requests begun
+    # meanwhile in them: relay took them off again, and the next header that may says
+    # so. It raises the count only to its figure less every grant made since RECKON_S
+    # (2 s) before its request's, in flight (their need) or settled (what they used):
+    # whenever the provider reckoned it, none of those may be in it.
+    async with pair(server, profile(itpm=60_000)) as p:
+        await p.take("a", 10_000, 1_000)
+        await p.advance(1)
+        await p.take("b", 10_000, 1_000)
+        await p.advance(1)
+        await p.take("c", 5_000, 1_000)
+        await p.advance(1)
+        # a's answer, reckoned at its end (b and c in it): relay takes b and c off again
+        await p.seen("a", {"input": (60_000, 35_000)})  # 35,000 - 15,000
+        await p.settle("a", 10_000, 1_000)
+        assert (await p.free())[0] == {"input": 20_000}
+        # b's answer: its request began before a's header set the count: nothing moves
+        await p.advance(1)
+        await p.seen("b", {"input": (60_000, 40_000)})
+        assert (await p.free())[0] == {"input": 21_000}
+        await p.settle("b", 8_000, 1_000)  # (2,000 over-estimated: given back)
+        await p.take("d", 2_000, 1_000)
+        await p.advance(1)
+        await p.take("e", 3_000, 1_000)
+        await p.advance(1)
+        await p.settle("e", 3_000, 1_000)
+        await p.take("f", 4_000, 1_000)
+        await p.advance(1)
+        # d's answer (begun after a's header): 45,000 less e (settled) and f (in flight),
+        # granted since 2 s before d's start; c, granted 2 s before it, is in it
+        await p.seen("d", {"input": (60_000, 45_000)})
+        await p.compare()
+        assert (await p.free())[0] == {"input": 38_000}  # 45,000 - 3,000 - 4,000
+        # the same again from a request no newer than that header: nothing moves
+        await p.advance(1)
+        await p.seen("d", {"input": (60_000, 59_000)})
+        await p.compare()
+        assert (await p.free())[0] == {"input": 39_000}
 
 
 async def test_a_burst_answers_header_counts_what_was_granted_before_it(
