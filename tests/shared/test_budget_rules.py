@@ -615,6 +615,43 @@ async def test_what_others_on_the_key_take_is_learned_and_left_to_them(
         assert said.what == "wait" and said.s > (need + 600 - free) / 1_000 + 1, said
 
 
+async def test_a_move_by_a_header_not_clean_is_no_take_of_others(
+        server: RedisServer) -> None:
+    # a's header, reckoned at its end, holds b (granted after a, still in flight) and
+    # 6,000 another program took: relay takes b off again. c's header, from a request
+    # begun after it, gives b back. Neither move is a take of others': the measure starts
+    # anew at c's header, and what the other program takes afterwards is learned whole.
+    async with pair(server, profile(itpm=60_000)) as p:
+        await p.take("z", 1_000, 0)
+        await p.advance(1)
+        await p.seen("z", {"input": (60_000, 60_000)})  # clean: the measure starts
+        await p.settle("z", 1_000, 0)
+        await p.take("a", 10_000, 0)
+        await p.advance(1)
+        await p.take("b", 10_000, 0)
+        await p.advance(1)
+        await p.seen("a", {"input": (60_000, 36_000)})  # 42,000 counted: b off again
+        assert (await p.free())[0] == {"input": 26_000}
+        await p.settle("a", 10_000, 0)
+        await p.settle("b", 10_000, 0)
+        await p.advance(1)
+        await p.take("c", 5_000, 0)
+        await p.advance(1)
+        await p.seen("c", {"input": (60_000, 33_000)})  # b given back
+        await p.settle("c", 5_000, 0)
+        await p.compare()
+        assert (await p.free())[0] == {"input": 33_000}
+        # The other program takes 1,200 in the next 6 s (12,000 a minute).
+        await p.advance(5)
+        await p.take("d", 1_000, 0)
+        await p.advance(1)
+        await p.seen("d", {"input": (60_000, 33_000 + 6_000 - 1_000 - 1_200)})
+        await p.compare()
+        local, _ = await p.views()
+        others = local["budgets"]["input"]["others_per_minute"]
+        assert 11_000 <= others <= 13_000, local["budgets"]["input"]
+
+
 async def test_a_counted_requests_own_under_count_is_not_taken_for_others(
         server: RedisServer) -> None:
     # a's input is 14,000 by the provider's count, 10,000 by relay's: its header's figure
