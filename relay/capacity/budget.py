@@ -150,7 +150,7 @@ OTHERS_CAP = 0.5
 # A grant reaches the provider within this many seconds: one made so long before the
 # answering request's may still have been admitted after it. A header raises relay's
 # count only to its figure less every grant made since then (``Budget._window``).
-RECKON_S = 2.0
+RECKON_S = 2.5
 # The settled grants kept for that (a header may come after requests granted since its
 # own have settled); an older one pushed out makes the window unknown (no raise).
 SETTLED_KEPT = 16
@@ -228,6 +228,7 @@ class _Bucket:
     heard: float | None = None
     gap: float = 0.0
     told: float = -math.inf  # when a header last set the level (``Budget._window``)
+    owed: float = 0.0  # what headers took off for later grants, maybe twice (the same)
 
     @property
     def others(self) -> float:
@@ -522,9 +523,8 @@ class Budget:
             return
         bucket.remaining_said = remaining
         # The provider's remaining counts what it admitted: relay takes off only what it
-        # granted after the answering request (not in the provider's count yet).
-        # Whether to move at all is decided on the header's own figure: a provider that
-        # computes a whole answer's headers at its end has those requests in it already.
+        # granted after the answering request (not in the provider's count yet); whether
+        # to move at all is decided on the header's own figure (below).
         said = min(bucket.limit, remaining)
         level = bucket.level_at(now)
         bucket.store(now, level)  # (at the refill as it was: the rate may change below)
@@ -535,12 +535,14 @@ class Budget:
         tighten = created or said < level - bucket.limit * EDGE_MARGIN
         # It raises relay's count when it says more by as much, less every grant made
         # since ``RECKON_S`` before its request's (whenever the provider reckoned it,
-        # none of those may be in it): a count taken off twice comes back (SPEC L12a).
-        # Only a request begun after the last header that set the count can: its
-        # figure was reckoned after that one's.
+        # none of those may be in it), by at most what headers took off for later grants
+        # (``owed``: relay's estimate of those in flight may be low): a count taken off
+        # twice comes back (SPEC L12a). Only a request begun after the last header that
+        # set the count can: its figure was reckoned after that one's.
         newer = started_at is not None and started_at > bucket.told
         floor = None if tighten or not newer else self._since(kind, started_at, own)
-        lift = floor is not None and said - floor > level + bucket.limit * EDGE_MARGIN
+        lifted = min(said - (floor or 0), level + bucket.owed)
+        lift = floor is not None and lifted > level + bucket.limit * EDGE_MARGIN
         # What others take is learned from a header only when nothing relay granted after
         # the answering request is in flight: then it does not matter whether the
         # provider reckoned it at the request's admission or at its answer's end.
@@ -550,7 +552,9 @@ class Budget:
         elif clean:
             bucket.learn(now, level, level - theirs)
         if tighten or lift:
-            new = theirs if tighten else said - (floor or 0)
+            new = theirs if tighten else lifted
+            bucket.owed = min(bucket.limit, max(0.0, bucket.owed + (
+                said - theirs if tighten else level - new)))
             bucket.store(now, new)
             bucket.told = now
             # What others take is measured between clean headers on relay's count: one
@@ -560,11 +564,15 @@ class Budget:
                 bucket.gap = new - theirs
             elif not created:
                 bucket.heard = None
-            if started_at is not None:  # their real input is in the provider's count now
-                before = started_at if tighten else started_at - RECKON_S
-                for r in self._inflight:
-                    if r.at <= before or r is own:
-                        r.counted.add(kind)
+            if started_at is not None:
+                self._counted(kind, started_at if tighten else started_at - RECKON_S, own)
+
+    def _counted(self, kind: str, before: float, own: Reservation | None) -> None:
+        """The requests in flight granted at or before ``before``, and ``own``: their
+        real input is in the provider's count of a budget of ``kind`` now."""
+        for r in self._inflight:
+            if r.at <= before or r is own:
+                r.counted.add(kind)
 
     def _since(self, kind: str, started_at: float | None, own: Reservation | None
                ) -> float | None:

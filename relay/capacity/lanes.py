@@ -68,7 +68,8 @@ held by the provider when its queue timeout passes — or that has a fallback to
 Accounts (SPEC L13, `relay.capacity.account`). The slots, the pacer and the budgets are
 each account's (a provider without accounts has one, ``""``); the queue is the lane's
 alone. The head starts on the account that can start it soonest — a free slot, its pacer,
-its budgets and holds — ties going to the one with most headroom (`_choose`); a waiter
+its budgets and holds — ties going to the best fit where its budgets are known, else to
+the most headroom (`_choose`, `_fits_better`); a waiter
 that names its conversation's account (``prefer``) waits for that one up to the profile's
 ``affinity_wait_s``, and one that names accounts that failed it (``avoid``) never starts
 there. An account that is out (a refused key) is left out of the choice until it is due
@@ -170,6 +171,17 @@ class _Waiter:
     def __lt__(self, other: _Waiter) -> bool:
         return (self.rank, self.tag, self.seq) < (other.rank, other.tag, other.seq)
 
+
+
+def _fits_better(here: tuple[float, float, float], best: tuple[float, float, float]) -> bool:
+    """Of two accounts that can start a request as soon, whether ``here`` (its
+    `Account.headroom`) is the better choice: where both know the budgets the request
+    takes from, the one it leaves fuller (best fit: the other keeps its room whole for a
+    large request, where an even spread leaves two halves too small for it); else the
+    most room (work spreads while limits are not known)."""
+    if here[0] < 1.0 and best[0] < 1.0 and here[0] != best[0]:
+        return here[0] < best[0]
+    return here > best
 
 class Lane:
     """The slots and queue of one provider. See the module docstring."""
@@ -460,7 +472,7 @@ class Lane:
     def _choose(self, waiter: _Waiter, now: float) -> tuple[Account | None, float]:
         """The account ``waiter`` would start on, and when (inf: none has a slot for it
         now): the one that can start it soonest (its slot, pacer, budgets, holds), ties
-        to the most headroom; its conversation's account while that one can start it
+        to the best fit (`_fits_better`); its conversation's account while that one can start it
         within ``affinity_wait_s`` of its arrival. Accounts that are out are left out,
         unless every one it may use is."""
         if waiter.need is not None:  # as the estimate says it now (learned while queued)
@@ -481,7 +493,7 @@ class Lane:
             if at > best_at or at == math.inf:
                 continue
             here = account.headroom(waiter.need, now)
-            if at < best_at or here > room:
+            if best is None or at < best_at or _fits_better(here, room):
                 best, best_at, room = account, at, here
         if preferred is not None and len(left) > 1:
             account, at = preferred

@@ -49,7 +49,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local KINDS = {'requests', 'tokens', 'input', 'output'}
 local MARGIN = 0.01  -- relay.capacity.budget.EDGE_MARGIN
-local RECKON_MS = 2000  -- relay.capacity.budget.RECKON_S
+local RECKON_MS = 2500  -- relay.capacity.budget.RECKON_S
 -- relay.capacity.budget.OTHERS_TAU_S, OTHERS_MIN_S, OTHERS_CAP: what others on the key take
 local OTHERS_TAU_S, OTHERS_MIN_S, OTHERS_CAP = 60, 5, 0.5
 local DAY_MS = 86400000  -- the longest hold (relay.capacity.budget.USAGE_WINDOW_MAX_HOLD_S)
@@ -434,13 +434,16 @@ while ARGV[i] do
     local tighten = created or said < level - now_limit * MARGIN
     -- (it raises the count when it says more by as much, less every grant since
     -- RECKON_MS before its request's: `Budget._window`)
-    local floor = nil
-    -- (only from a request begun after the last header that set the count: <kind>:set)
+    -- (only from a request begun after the last header that set the count: <kind>:set;
+    -- by at most what headers took off for later grants: <kind>:owe)
+    local floor, lifted = nil, 0
     if not tighten and began > (tonumber(redis.call('HGET', B, kind .. ':set') or '')
                                 or -1) then
       floor = since(kind)
     end
-    local lift = floor ~= nil and said - floor > level + now_limit * MARGIN
+    local owed = tonumber(redis.call('HGET', B, kind .. ':owe') or '0') or 0
+    if floor ~= nil then lifted = math.min(said - floor, level + owed) end
+    local lift = floor ~= nil and lifted > level + now_limit * MARGIN
     -- (others are learned only from a header with nothing granted after its request in
     -- flight: `Budget._window`)
     local clean = late('requests') == 0
@@ -450,8 +453,10 @@ while ARGV[i] do
       learn(kind, now_limit, level, level - theirs)
     end
     if tighten or lift then
-      local new = theirs
-      if not tighten then new = said - floor end
+      local new, moved = theirs, said - theirs
+      if not tighten then new, moved = lifted, level - lifted end
+      redis.call('HSET', B, kind .. ':owe', tostring(math.min(now_limit,
+                                                   math.max(0, owed + moved))))
       store(kind, new)
       redis.call('HSET', B, kind .. ':set', tostring(now))
       -- (others are measured between clean headers on the relays' count; not clean, the

@@ -5,6 +5,7 @@ on its account while that one can start it."""
 
 from __future__ import annotations
 
+import collections
 import functools
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,31 @@ async def test_a_burst_spreads_over_both_accounts_with_no_429(
         assert [a["name"] for a in status["accounts"]] == ["a", "b"]
         assert status["lanes"]["capacity"] == 16
         assert sum(a["started"] for a in status["accounts"]) == 60
+
+
+async def test_a_large_request_finds_one_accounts_room_whole_after_small_ones(
+        nursery: trio.Nursery, clock: trio.testing.MockClock, fake: KeyedMetered,
+        tmp_path: Path) -> None:
+    # Each key: 10,000 input tokens a minute, configured. Eight requests of ~1,000 go
+    # to the account they leave fullest (best fit), so a ~8,000-token one that follows
+    # finds the other's bucket whole and starts at once; spread evenly, each account
+    # would have ~6,000 left and it would wait ~15 s for the refill.
+    fake.configure(Limits(rpm=100, itpm=10_000, otpm=100_000))
+    async with relay_for(tmp_path, config(fake.base_url, profile="itpm = 10000")) as r:
+        small = [send(nursery, r, ask(prose(900, i), model="p/m-out10", max_tokens=10))
+                 for i in range(8)]
+        await fake.wait_until(lambda: sum(fake.served.values()) >= 8)
+        start = trio.current_time()
+        large = send(nursery, r, ask(prose(7500, 99), model="p/m-out10", max_tokens=10))
+        await large.done.wait()
+        assert trio.current_time() - start < 2, trio.current_time() - start
+        for result in small:
+            await result.done.wait()
+        assert all(ok(s) for s in [*small, large])
+        assert sum(fake.refused.values()) == 0
+        placed = collections.Counter(rec["account"] for rec in records(tmp_path)
+                                     if rec["usage"]["prompt_tokens"] < 2_000)
+        assert sorted(placed.values()) == [8], placed
 
 
 async def test_an_accounts_429_moves_the_request_to_the_other_at_once(
