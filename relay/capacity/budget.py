@@ -228,7 +228,7 @@ class _Bucket:
     heard: float | None = None
     gap: float = 0.0
     told: float = -math.inf  # when a header last set the level (``Budget._window``)
-    owed: float = 0.0  # what headers took off for later grants, maybe twice (the same)
+    owed: float = 0.0  # what the last header to set the level took off for grants
 
     @property
     def others(self) -> float:
@@ -535,10 +535,11 @@ class Budget:
         tighten = created or said < level - bucket.limit * EDGE_MARGIN
         # It raises relay's count when it says more by as much, less every grant made
         # since ``RECKON_S`` before its request's (whenever the provider reckoned it,
-        # none of those may be in it), by at most what headers took off for later grants
-        # (``owed``: relay's estimate of those in flight may be low): a count taken off
-        # twice comes back (SPEC L12a). Only a request begun after the last header that
-        # set the count can: its figure was reckoned after that one's.
+        # none of those may be in it), by at most what the last header to set the count
+        # took off for grants its figure may hold (``owed``; relay's estimate of those
+        # in flight may be low): a count taken off twice comes back (SPEC L12a). Only a
+        # request begun after the last header that set the count can: its figure was
+        # reckoned after that one's.
         newer = started_at is not None and started_at > bucket.told
         floor = None if tighten or not newer else self._since(kind, started_at, own)
         lifted = min(said - (floor or 0), level + bucket.owed)
@@ -553,8 +554,9 @@ class Budget:
             bucket.learn(now, level, level - theirs)
         if tighten or lift:
             new = theirs if tighten else lifted
-            bucket.owed = min(bucket.limit, max(0.0, bucket.owed + (
-                said - theirs if tighten else level - new)))
+            # (what it took off for grants its figure may hold already: the next raise's
+            # bound; the level before is set aside, and what it owed with it)
+            bucket.owed = min(bucket.limit, said - new)
             bucket.store(now, new)
             bucket.told = now
             # What others take is measured between clean headers on relay's count: one

@@ -263,6 +263,10 @@ RATIO_BOUNDS = (0.05, 20.0)  # an answer's ratio outside them teaches nothing
 # ratio: "hi" counted as 3 where relay said 1 is the provider's framing or rounding, and
 # believed at once (an under-count) it made a 5,000-word prompt "too large".
 RATIO_MIN_TEXT = 32
+# A CJK text's: a provider counts 0.5 to 2 tokens a character where relay says 1, so a few
+# characters say it (a burst of Korean after short greetings went on relay's half count).
+RATIO_MIN_TEXT_CJK = 8
+_CJK = frozenset({"han", "kana", "hangul"})
 RATIO_SURE = 20             # answers before `least` trusts their lowest ratio
 LEAST_RATIO: Final = {"latin": 0.4, "code": 0.4, "json": 0.5, "han": 0.5, "kana": 0.5,
                       "hangul": 0.5, "other": 0.3, "image": 0.05}
@@ -358,10 +362,11 @@ class InputRatio:
               fixed: int = 0) -> bool:
         """A whole answer's reported prompt tokens against relay's estimate of its prompt
         (before `adjust`; ``fixed`` of both the framing). A count of 0, less text beyond
-        the framing than `RATIO_MIN_TEXT`, or a ratio outside `RATIO_BOUNDS` teaches
-        nothing (False)."""
+        the framing than `RATIO_MIN_TEXT` (`RATIO_MIN_TEXT_CJK` for Chinese, Japanese and
+        Korean), or a ratio outside `RATIO_BOUNDS` teaches nothing (False)."""
         fixed = max(0, fixed)
-        if estimate - fixed < RATIO_MIN_TEXT or reported <= fixed:
+        least = RATIO_MIN_TEXT_CJK if script in _CJK else RATIO_MIN_TEXT
+        if estimate - fixed < least or reported <= fixed:
             return False  # (a few words of text: their ratio is noise, not a tokenizer's)
         ratio = (reported - fixed) / (estimate - fixed)
         if not RATIO_BOUNDS[0] <= ratio <= RATIO_BOUNDS[1]:

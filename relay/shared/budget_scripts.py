@@ -453,10 +453,9 @@ while ARGV[i] do
       learn(kind, now_limit, level, level - theirs)
     end
     if tighten or lift then
-      local new, moved = theirs, said - theirs
-      if not tighten then new, moved = lifted, level - lifted end
-      redis.call('HSET', B, kind .. ':owe', tostring(math.min(now_limit,
-                                                   math.max(0, owed + moved))))
+      local new = theirs
+      if not tighten then new = lifted end
+      redis.call('HSET', B, kind .. ':owe', tostring(math.min(now_limit, said - new)))
       store(kind, new)
       redis.call('HSET', B, kind .. ':set', tostring(now))
       -- (others are measured between clean headers on the relays' count; not clean, the

@@ -763,7 +763,8 @@ async def test_a_newer_header_above_the_count_raises_it_less_every_grant_since(
     # so. It raises the count only to its figure less every grant made since RECKON_S
     # (2.5 s) before its request's, in flight (their need) or settled (what they used):
     # whenever the provider reckoned it, none of those may be in it; and by at most what
-    # headers took off for later grants (relay's estimate of those may be low).
+    # the last header to set the count took off for grants its figure may hold
+    # (relay's estimate of those may be low).
     async with pair(server, profile(itpm=60_000)) as p:
         await p.take("a", 10_000, 1_000)
         await p.advance(1)
@@ -798,13 +799,13 @@ async def test_a_newer_header_above_the_count_raises_it_less_every_grant_since(
         await p.seen("d", {"input": (60_000, 59_000)})
         await p.compare()
         assert (await p.free())[0] == {"input": 27_000}
-        # g's answer, newer: 6,000 of the 15,000 a's header took off for b and c are
-        # left to give back (relay counted 17,000 before d's header raised it to 26,000)
+        # g's answer, newer: d's header took off 12,000 for c, e and f (its figure may
+        # hold them): at most that comes back
         await p.take("g", 1_000, 1_000)
         await p.advance(1)
         await p.seen("g", {"input": (60_000, 59_000)})
         await p.compare()
-        assert (await p.free())[0] == {"input": 33_000}  # 27,000 - 1,000 + 1,000 + 6,000
+        assert (await p.free())[0] == {"input": 39_000}  # 27,000 - 1,000 + 1,000 + 12,000
 
 
 async def test_a_burst_answers_header_counts_what_was_granted_before_it(
