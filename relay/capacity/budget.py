@@ -509,16 +509,8 @@ class Budget:
     def _window(self, kind: str, limit: float | None, remaining: float | None, now: float,
                 started_at: float | None, own: Reservation | None) -> None:
         """One budget's limit and remaining, as a header said them."""
-        bucket = self._buckets.get(kind)
-        created = bucket is None  # it had no limit before this header
-        if limit:
-            if bucket is None:
-                bucket = self._gone.get(kind) or _Bucket()
-            else:
-                bucket.store(now)  # refilled at its old limit, up to now
-            bucket.header, bucket.header_at = limit, now
-            self._place(kind, bucket)
-            bucket.store(now)  # held to the new limit (a new one: whole)
+        created = kind not in self._buckets  # it had no limit before this header
+        bucket = self._header_limit(kind, limit, now)
         if bucket is None or not bucket.limit or remaining is None:
             return
         bucket.remaining_said = remaining
@@ -568,6 +560,19 @@ class Budget:
                 bucket.heard = None
             if started_at is not None:
                 self._counted(kind, started_at if tighten else started_at - RECKON_S, own)
+
+    def _header_limit(self, kind: str, limit: float | None, now: float) -> _Bucket | None:
+        """A header's limit of a budget of ``kind`` (None: it said none); the budget."""
+        bucket = self._buckets.get(kind)
+        if limit:
+            if bucket is None:
+                bucket = self._gone.get(kind) or _Bucket()
+            else:
+                bucket.store(now)  # refilled at its old limit, up to now
+            bucket.header, bucket.header_at = limit, now
+            self._place(kind, bucket)
+            bucket.store(now)  # held to the new limit (a new one: whole)
+        return bucket
 
     def _counted(self, kind: str, before: float, own: Reservation | None) -> None:
         """The requests in flight granted at or before ``before``, and ``own``: their
