@@ -11,8 +11,8 @@ accounts has one, named ``""``.
 
 The lane (`relay.capacity.lanes.Lane`) keeps the one queue and asks each account when it
 could start a waiter (`Account.ready_at`); the waiter starts on the account that can start
-it soonest, ties going to the best fit where the budgets are known, else to the one with
-most headroom (`Account.headroom`).
+it soonest, ties going to the best fit where the token figures are configured, else to
+the one with most headroom (`Account.headroom`).
 """
 
 from __future__ import annotations

@@ -68,8 +68,8 @@ held by the provider when its queue timeout passes — or that has a fallback to
 Accounts (SPEC L13, `relay.capacity.account`). The slots, the pacer and the budgets are
 each account's (a provider without accounts has one, ``""``); the queue is the lane's
 alone. The head starts on the account that can start it soonest — a free slot, its pacer,
-its budgets and holds — ties going to the best fit where its budgets are known, else to
-the most headroom (`_choose`, `_fits_better`); a waiter
+its budgets and holds — ties going to the best fit where every account's token figures
+are configured, else to the most headroom (`_choose`, `_fits_better`); a waiter
 that names its conversation's account (``prefer``) waits for that one up to the profile's
 ``affinity_wait_s``, and one that names accounts that failed it (``avoid``) never starts
 there. An account that is out (a refused key) is left out of the choice until it is due
@@ -173,13 +173,15 @@ class _Waiter:
 
 
 
-def _fits_better(here: tuple[float, float, float], best: tuple[float, float, float]) -> bool:
+def _fits_better(here: tuple[float, float, float], best: tuple[float, float, float],
+                 fit: bool) -> bool:
     """Of two accounts that can start a request as soon, whether ``here`` (its
-    `Account.headroom`) is the better choice: where both know the budgets the request
-    takes from, the one it leaves fuller (best fit: the other keeps its room whole for a
-    large request, where an even spread leaves two halves too small for it); else the
-    most room (work spreads while limits are not known)."""
-    if here[0] < 1.0 and best[0] < 1.0 and here[0] != best[0]:
+    `Account.headroom`) is the better choice. With ``fit`` (every account's token figures
+    configured: relay's count of them is its own) and both budgets known, the one it
+    leaves fuller (best fit: the other keeps its room whole for a large request, where an
+    even spread leaves two halves too small for it); else the most room (work spreads: a
+    bucket learned from headers is run to its edge on one account less often)."""
+    if fit and here[0] < 1.0 and best[0] < 1.0 and here[0] != best[0]:
         return here[0] < best[0]
     return here > best
 
@@ -486,6 +488,7 @@ class Lane:
         best: Account | None = None
         best_at, room = math.inf, (0.0, 0.0, 0.0)
         preferred = None
+        fit = all(a.profile.itpm or a.profile.tpm for a in left)  # (`_fits_better`)
         for account in left:
             at = account.ready_at(waiter.need, now, waiter.probe, everyone_out)
             if account.name == waiter.prefer:
@@ -493,7 +496,7 @@ class Lane:
             if at > best_at or at == math.inf:
                 continue
             here = account.headroom(waiter.need, now)
-            if best is None or at < best_at or _fits_better(here, room):
+            if best is None or at < best_at or _fits_better(here, room, fit):
                 best, best_at, room = account, at, here
         if preferred is not None and len(left) > 1:
             account, at = preferred
