@@ -320,18 +320,22 @@ local hold_ms, cause, reason, ok = math.min(tonumber(ARGV[4]), DAY_MS), ARGV[5],
 local own = ARGV[10]
 -- The answering request's grant: its start in F (exact), or kept at its settlement
 -- (g0-g15: the last 16 settled), else as its relay said.
-local settled = {}  -- the ring: {member, grant, used in, used out}
-do
-  local ring = {}
-  for n = 0, 15 do ring[n + 1] = 'g' .. n end
-  for _, v in ipairs(redis.call('HMGET', B, unpack(ring))) do
-    local m, g, ui, uo = string.match(v or '', '^(%S+) (%S+) (%S+) (%S+)$')
-    if m then table.insert(settled, {m, tonumber(g), tonumber(ui), tonumber(uo)}) end
+local ring_read  -- the ring: {member, grant, used in, used out} (read once, if asked)
+local function settled()
+  if not ring_read then
+    ring_read = {}
+    local ring = {}
+    for n = 0, 15 do ring[n + 1] = 'g' .. n end
+    for _, v in ipairs(redis.call('HMGET', B, unpack(ring))) do
+      local m, g, ui, uo = string.match(v or '', '^(%S+) (%S+) (%S+) (%S+)$')
+      if m then table.insert(ring_read, {m, tonumber(g), tonumber(ui), tonumber(uo)}) end
+    end
   end
+  return ring_read
 end
 local began = tonumber(own ~= '' and redis.call('ZSCORE', F, own) or '')
 if not began and own ~= '' then
-  for _, e in ipairs(settled) do
+  for _, e in ipairs(settled()) do
     if e[1] == own then began = e[2] end
   end
 end
@@ -376,7 +380,7 @@ local function since(kind)
       add(tonumber(i) or 0, tonumber(o) or 0)
     end
   end
-  for _, e in ipairs(settled) do
+  for _, e in ipairs(settled()) do
     if e[1] ~= own and e[2] > began - RECKON_MS then add(e[3], e[4]) end
   end
   return sum
