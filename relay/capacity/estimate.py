@@ -259,15 +259,13 @@ RATIO_PRIOR = 4             # pseudo-answers at ratio 1.0 among them (relay's es
 RATIO_TRIM = 0.25           # of the kept ratios (and the prior's), cut off at each end
 RATIO_KEYS = 256            # (model, script) pairs kept, the least recently used dropped
 RATIO_BOUNDS = (0.05, 20.0)  # an answer's ratio outside them teaches nothing
-# The least text (relay's estimate beyond the framing) an answer must carry to teach a
-# ratio: "hi" counted as 3 where relay said 1 is the provider's framing or rounding, and
-# believed at once (an under-count) it made a 5,000-word prompt "too large".
+# The least text (beyond the framing) an answer must carry to teach a ratio: "hi" counted
+# 3 where relay said 1 is framing or rounding (believed, a 5,000-word prompt was "too large").
 RATIO_MIN_TEXT = 32
-# A CJK text's: a provider counts 0.5 to 2 tokens a character where relay says 1, so a few
-# characters say it (a burst of Korean after short greetings went on relay's half count).
-RATIO_MIN_TEXT_CJK = 8
+RATIO_MIN_TEXT_CJK = 8  # CJK: 0.5 to 2 tokens a character where relay says 1; a few say it
 _CJK = frozenset({"han", "kana", "hangul"})
 RATIO_SURE = 20             # answers before `least` trusts their lowest ratio
+RATIO_UNSURE = 0.05  # until then, more reserved on a ratio above 1.0 (`InputRatio.reserve`)
 LEAST_RATIO: Final = {"latin": 0.4, "code": 0.4, "json": 0.5, "han": 0.5, "kana": 0.5,
                       "hangul": 0.5, "other": 0.3, "image": 0.05}
 """The fewest tokens a provider may count of a script for each token of relay's estimate,
@@ -333,12 +331,22 @@ class InputRatio:
         found = self._ratios.get((model, script))
         return found.ratio if found is not None else 1.0
 
-    def adjust(self, model: str, script: str, estimate: int, fixed: int = 0) -> int:
+    def adjust(self, model: str, script: str, estimate: int, fixed: int = 0, *,
+               margin: float = 0.0) -> int:
         """``estimate`` (relay's, `estimate_input`; ``fixed`` of it framing, counted as it
-        is) as the provider would likely count it; never below 1."""
+        is) as the provider would likely count it (``margin``: that share more); >= 1."""
         fixed = min(max(0, fixed), estimate)
-        return max(1, fixed + math.ceil((estimate - fixed) * self.ratio(model, script)
-                                        - 1e-9))
+        ratio = self.ratio(model, script) * (1.0 + margin)
+        return max(1, fixed + math.ceil((estimate - fixed) * ratio - 1e-9))
+
+    def reserve(self, model: str, script: str, estimate: int, fixed: int = 0) -> int:
+        """`adjust`'s count, `RATIO_UNSURE` more where the ratio is above 1.0 and rests on
+        fewer than `RATIO_SURE` answers: short ones' digits pull it toward 1.0 (Korean
+        greetings said 1.91 where long prompts counted 2.0; an under-count meets 429s)."""
+        found = self._ratios.get((model, script))
+        unsure = found is not None and found.ratio > 1.0 and len(found.logs) < RATIO_SURE
+        return self.adjust(model, script, estimate, fixed,
+                           margin=RATIO_UNSURE if unsure else 0.0)
 
     def least(self, model: str, script: str, estimate: int, fixed: int = 0) -> int:
         """The fewest tokens the provider may plausibly count for ``estimate``: once

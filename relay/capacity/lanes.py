@@ -69,7 +69,8 @@ Accounts (SPEC L13, `relay.capacity.account`). The slots, the pacer and the budg
 each account's (a provider without accounts has one, ``""``); the queue is the lane's
 alone. The head starts on the account that can start it soonest — a free slot, its pacer,
 its budgets and holds — ties going to the best fit where every account's token figures
-are configured, else to the most headroom (`_choose`, `_fits_better`); a waiter
+are configured, else to the most room, free slots counted with the budgets once these are
+known (`_choose`, `_fits_better`); a waiter
 that names its conversation's account (``prefer``) waits for that one up to the profile's
 ``affinity_wait_s``, and one that names accounts that failed it (``avoid``) never starts
 there. An account that is out (a refused key) is left out of the choice until it is due
@@ -183,7 +184,16 @@ def _fits_better(here: tuple[float, float, float], best: tuple[float, float, flo
     bucket learned from headers is run to its edge on one account less often)."""
     if fit and here[0] < 1.0 and best[0] < 1.0 and here[0] != best[0]:
         return here[0] < best[0]
-    return here > best
+    return _room(here) > _room(best)
+
+
+def _room(headroom: tuple[float, float, float]) -> tuple[float, float, float]:
+    """`Account.headroom` for an even spread: once its budgets are known, the scarcer of
+    their share left and its free slots' (an account whose slots are nearly all taken
+    by small requests has no room for a large one that only its budgets could hold)."""
+    budgets, tokens, slots = headroom
+    return (min(budgets, slots) if budgets < 1.0 else budgets, tokens, slots)
+
 
 class Lane:
     """The slots and queue of one provider. See the module docstring."""

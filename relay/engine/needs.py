@@ -48,11 +48,11 @@ def need_of(run_: Run, learned_from: Learned) -> Need:
     # until then on the learned estimate (a guess below it would send what never fits).
     least = ratio.least(call.model, script, raw, fixed) \
         if ratio.known(call.model, script) else estimate
-    needed, sure = estimate, True
+    needed, sure = ratio.reserve(call.model, script, raw, fixed), True
     # While it waits in the queue, the answers of the requests before it teach the ratio:
     # it starts on what was learned by then (`Need.current`).
     relearn: Callable[[], int] | None = functools.partial(
-        ratio.adjust, call.model, script, raw, fixed)
+        ratio.reserve, call.model, script, raw, fixed)
     if skips_cache_reads(provider) and marks_cache(call):  # (unmarked: nothing cached)
         uncached = provider.conversations.uncached(conversation(run_), estimate)
         if uncached is not None:

@@ -124,6 +124,44 @@ async def test_a_large_request_finds_one_accounts_room_whole_after_small_ones(
         assert sorted(placed.values()) == [8], placed
 
 
+async def test_small_requests_leave_a_slot_where_a_large_one_fits(
+        nursery: trio.Nursery, clock: trio.testing.MockClock, fake: KeyedMetered,
+        tmp_path: Path) -> None:
+    # Each key: 10,000 input tokens a minute, learned from the headers; 3 lanes an
+    # account; every answer takes ~10 s. A ~6,000-token request runs on one account;
+    # three small ones follow. Spread by token room alone, all three went to the other
+    # account and took its every slot: the next ~6,000-token one fit only that account's
+    # bucket and waited ~10 s for a slot. Counting the free slots as room, the third
+    # small one goes where the large one left little, and the large one starts at once.
+    fake.configure(Limits(rpm=100, itpm=10_000, otpm=100_000))
+    fake.tokens_per_s = 5.0
+    async with relay_for(tmp_path, config(fake.base_url, lanes=3)) as r:
+        warm = [send(nursery, r, ask(prose(120, i), model="p/m-out50", max_tokens=1))
+                for i in range(2)]
+        for result in warm:
+            await result.done.wait()
+        assert all(ok(w) for w in warm) and set(fake.served) == set(KEYS.values()) - {
+            KEYS["KEY_C"], KEYS["KEY_D"]}
+        running = [send(nursery, r, ask(prose(6000, 10), model="p/m-out50", max_tokens=50))]
+        await fake.wait_until(lambda: fake.active == 1)
+        for i in range(3):
+            running.append(send(nursery, r, ask(prose(200, 20 + i), model="p/m-out50",
+                                                max_tokens=50)))
+            await fake.wait_until(functools.partial(lambda n: fake.active == n, 2 + i))
+        start = trio.current_time()
+        large = send(nursery, r, ask(prose(6000, 30), model="p/m-out50", max_tokens=50))
+        await large.done.wait()
+        assert ok(large), large.text()
+        assert trio.current_time() - start < 14, trio.current_time() - start  # not ~20 s
+        for result in running:
+            await result.done.wait()
+        assert all(ok(res) for res in running)
+        assert sum(fake.refused.values()) == 0
+        placed = collections.Counter(rec["account"] for rec in records(tmp_path)
+                                     if rec["usage"]["prompt_tokens"] > 2_000)
+        assert sorted(placed.values()) == [1, 1], placed  # a large one on each account
+
+
 async def test_an_accounts_429_moves_the_request_to_the_other_at_once(
         nursery: trio.Nursery, clock: trio.testing.MockClock, fake: KeyedMetered,
         tmp_path: Path) -> None:

@@ -251,3 +251,20 @@ def test_on_real_tokenizer_counts_it_is_within_a_few_percent_after_100_answers()
             worst_before = max(worst_before, abs(before))
             worst_after = max(worst_after, abs(after))
     assert worst_before > 0.25 > 0.03 >= worst_after
+
+
+def test_a_ratio_above_one_on_few_answers_is_reserved_with_a_margin() -> None:
+    # Three Korean greetings say the provider counts 1.91 of relay's token (their digits
+    # pull it toward 1.0; long prompts count 2.0): a request reserves 5 % more until 20
+    # answers say so. A ratio below 1.0 (relay counts too many) is reserved as learned.
+    ratio = InputRatio()
+    for _ in range(3):
+        ratio.learn("m", "hangul", 111, 205, fixed=7)
+        ratio.learn("m", "latin", 1000, 860)
+    assert ratio.adjust("m", "hangul", 3007, 7) == 7 + math.ceil(3000 * 198 / 104)
+    assert ratio.reserve("m", "hangul", 3007, 7) == 7 + math.ceil(3000 * 198 / 104 * 1.05)
+    assert ratio.reserve("m", "latin", 1000) == ratio.adjust("m", "latin", 1000)
+    assert ratio.reserve("other", "hangul", 1000) == 1000
+    for _ in range(17):
+        ratio.learn("m", "hangul", 111, 205, fixed=7)
+    assert ratio.reserve("m", "hangul", 3007, 7) == ratio.adjust("m", "hangul", 3007, 7)
