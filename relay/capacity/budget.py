@@ -65,9 +65,11 @@ description, with where this module ("here") and the scripts ("there") keep each
   flight granted before that are then counted, and its
   own
   others on the key: at each header with a remaining     _Bucket.learn,   learn,
-  after the first, and nothing granted after its request  _Bucket.others   others_of
-  in flight (then when the provider reckoned it does not
-  matter), what they took since the last such one is
+  after the first, from a request that took from this     _Bucket.others,  others_of,
+  budget, and nothing granted since ``RECKON_S`` before   _measure         mine
+  its request in flight (every request in flight is in
+  its figure then, however the provider reckoned it),
+  what they took since the last such one is
   how far relay's count less the header's figure grew
   since then, plus what the refill left them (not while
   the bucket is whole); a header not so that sets the
@@ -79,6 +81,10 @@ description, with where this module ("here") and the scripts ("there") keep each
   the limit; the level is stored (at the old rate) first
   a counted request's input beyond its reservation was    _Bucket.own_     TOKENS_SETTLE
   relay's own, not others': settled, it comes off         error
+  a request such a header saw in flight (not counted):    _Bucket.settled_ TOKENS_SETTLE
+  settled, its input beyond its reservation comes off     heard            (h:<member>)
+  the measure's start, and off their take where the
+  measure took it for theirs (decayed as it went in)
   settlement: each budget it took from gets back what     settle           TOKENS_SETTLE
   was reserved and not used (or gives what was used
   beyond), up to its limit; a counted budget, only its
@@ -209,6 +215,11 @@ class Reservation:
     # The budgets whose level a provider's header set while it was in flight, granted at
     # or before the answering request: they hold its real input already.
     counted: set[str] = attrs.Factory(set)
+    # The budgets whose measure of others' take (`_Bucket.learn`) saw it in flight: the
+    # measure's age (``_Bucket.aged``) where it took its estimate's error for others'
+    # (its first clean header had one before it), None where it was only in the
+    # measure's start.
+    heard: dict[str, float | None] = attrs.Factory(dict)
 
 
 @attrs.define
@@ -227,6 +238,7 @@ class _Bucket:
     span: float = 0.0
     heard: float | None = None
     gap: float = 0.0
+    aged: float = 0.0  # the seconds ``seen`` has been decayed by, in all
     told: float = -math.inf  # when a header last set the level (``Budget._window``)
     owed: float = 0.0  # what the last header to set the level took off for grants
 
@@ -259,6 +271,7 @@ class _Bucket:
             decay = math.exp(-span / OTHERS_TAU_S)
             self.seen = self.seen * decay + took
             self.span = self.span * decay + span
+            self.aged += span
         self.heard, self.gap = now, gap
 
     def own_error(self, more: float) -> None:
@@ -266,6 +279,17 @@ class _Bucket:
         in a header's figure, and the gap took it for others'): it was relay's own."""
         if self.heard is not None:
             self.seen -= more
+
+    def settled_heard(self, more: float, taken: float | None) -> None:
+        """A request a clean header saw in flight, not counted, used ``more`` input than
+        relay reserved of it: its settlement moves relay's count by as much, which is no
+        take of others' (the measure's start held it: it comes off that too), and where
+        the measure took it for others' (``taken``: the measure's age then), it was
+        relay's own: it comes off as decayed as it went in."""
+        if self.heard is not None:
+            self.gap -= more
+        if taken is not None:
+            self.seen -= more * math.exp(-(self.aged - taken) / OTHERS_TAU_S)
 
     @property
     def limit(self) -> float:
@@ -476,6 +500,9 @@ class Budget:
                 back = 0 if kind == "input" else need.output - used.output
                 if kind in ("input", "tokens"):
                     bucket.own_error(used_in - need.input)
+            if (kind in reservation.heard and kind not in reservation.counted
+                    and kind in ("input", "tokens")):
+                bucket.settled_heard(used_in - need.input, reservation.heard[kind])
             bucket.store(now, min(bucket.limit, bucket.level_at(now) + back))
         if count:
             self._count(now, used_in + used_out)
@@ -536,14 +563,8 @@ class Budget:
         floor = None if tighten or not newer else self._since(kind, started_at, own)
         lifted = min(said - (floor or 0), level + bucket.owed)
         lift = floor is not None and lifted > level + bucket.limit * EDGE_MARGIN
-        # What others take is learned from a header only when nothing relay granted after
-        # the answering request is in flight: then it does not matter whether the
-        # provider reckoned it at the request's admission or at its answer's end.
-        clean = not self._late("requests", started_at, own)
-        if created:
-            bucket.heard, bucket.gap = now, 0.0
-        elif clean:
-            bucket.learn(now, level, level - theirs)
+        clean = self._measure(kind, bucket, now, level, level - theirs, created,
+                              started_at, own)
         if tighten or lift:
             new = theirs if tighten else lifted
             # (what it took off for grants its figure may hold already: the next raise's
@@ -560,6 +581,26 @@ class Budget:
                 bucket.heard = None
             if started_at is not None:
                 self._counted(kind, started_at if tighten else started_at - RECKON_S, own)
+
+    def _measure(self, kind: str, bucket: _Bucket, now: float, level: float, gap: float,
+                 created: bool, started_at: float | None, own: Reservation | None) -> bool:
+        """What others take, measured at a header (``gap``: relay's count less its figure)
+        where it is clean (returned): nothing relay granted since ``RECKON_S`` before the
+        answering request is in flight, so every request in flight is in the provider's
+        figure (whether it reckoned it at the request's admission or at its answer's
+        end), at its real input (each one's error comes off at its settlement:
+        `_Bucket.settled_heard`); and the answering request took from this budget (one
+        begun before a model's budget was known here is in the figure, not in the count)."""
+        clean = own is not None and not self._late("requests", None if started_at is None
+                                                   else started_at - RECKON_S, own)
+        if created:
+            bucket.heard, bucket.gap = now, 0.0
+        elif clean:
+            measured = bucket.heard is not None
+            bucket.learn(now, level, gap)
+            for r in self._inflight:
+                r.heard.setdefault(kind, bucket.aged if measured else None)
+        return clean
 
     def _header_limit(self, kind: str, limit: float | None, now: float) -> _Bucket | None:
         """A header's limit of a budget of ``kind`` (None: it said none); the budget."""

@@ -109,7 +109,7 @@ end
 -- if its settlement never came.
 local function forget(m)
   redis.call('ZREM', F, m)
-  redis.call('HDEL', B, 'f:' .. m, 'c:' .. m)
+  redis.call('HDEL', B, 'f:' .. m, 'c:' .. m, 'h:' .. m)
 end
 local function prune()
   for _, w in ipairs(redis.call('ZRANGEBYSCORE', TX, '-inf', now)) do
@@ -224,7 +224,7 @@ for kind, lvl in pairs(levels) do
 end
 redis.call('ZADD', F, now, member)
 redis.call('HSET', B, 'f:' .. member, need_in .. ' ' .. need_out)
-redis.call('HDEL', B, 'c:' .. member)
+redis.call('HDEL', B, 'c:' .. member, 'h:' .. member)
 -- A start once the hold is over (a connection check too) is the first after it.
 if hold <= now and redis.call('HGET', B, 'first_due') == '1' then
   redis.call('HSET', B, 'first', member, 'first_due', '0')
@@ -261,6 +261,15 @@ if member ~= '' then
     counted[kind] = true
   end
 end
+-- The budgets whose measure of others' take saw it in flight (h:<member>: "kind=AGE",
+-- taken for others' at that age of the measure, or "kind=-", in its start only).
+local heard = {}
+if member ~= '' then
+  for kind, age in string.gmatch(redis.call('HGET', B, 'h:' .. member) or '',
+                                 '(%a+)=(%S+)') do
+    heard[kind] = age
+  end
+end
 local took = {}
 for j = 10, #ARGV do took[ARGV[j]] = true end
 local gave = false
@@ -274,6 +283,22 @@ for kind, b in pairs(back) do
     if counted[kind] and kind ~= 'output' and redis.call('HGET', B, kind .. ':heard') then
       local seen = tonumber(redis.call('HGET', B, kind .. ':os') or '0') or 0
       redis.call('HSET', B, kind .. ':os', tostring(seen - (u_in - r_in)))
+    end
+    -- (a clean header saw it in flight: its input's error is no take of others', and
+    -- comes off the measure's start; where the measure took it for theirs, off that too:
+    -- `_Bucket.settled_heard`)
+    local taken = heard[kind]
+    if taken ~= nil and not counted[kind] and (kind == 'input' or kind == 'tokens') then
+      if redis.call('HGET', B, kind .. ':heard') then
+        local gap = tonumber(redis.call('HGET', B, kind .. ':gap') or '0') or 0
+        redis.call('HSET', B, kind .. ':gap', tostring(gap - (u_in - r_in)))
+      end
+      if taken ~= '-' then
+        local f = redis.call('HMGET', B, kind .. ':os', kind .. ':age')
+        local age = (tonumber(f[2] or '0') or 0) - (tonumber(taken) or 0)
+        local own = (u_in - r_in) * math.exp(-age / OTHERS_TAU_S)
+        redis.call('HSET', B, kind .. ':os', tostring((tonumber(f[1] or '0') or 0) - own))
+      end
     end
   end
 end
@@ -339,6 +364,9 @@ if not began and own ~= '' then
     if e[1] == own then began = e[2] end
   end
 end
+-- (mine: it took from this budget; a request that did not is in the header's figure and
+-- in none of the relays' counts here: no measure of others from it)
+local mine = began ~= nil
 began = began or now - tonumber(ARGV[8])
 -- What requests granted after the answering one (its own aside) take of a budget: they
 -- are not in the provider's count yet (a burst's first answers come back while the
@@ -360,6 +388,18 @@ local function late(kind)
     end
   end
   return late_cost[kind]
+end
+-- The requests in flight granted since RECKON_MS before the answering one (its own aside):
+-- the provider may not have them in its count yet.
+local recent_n
+local function recent()
+  if not recent_n then
+    recent_n = 0
+    for _, m in ipairs(redis.call('ZRANGEBYSCORE', F, '(' .. (began - RECKON_MS), '+inf')) do
+      if m ~= own then recent_n = recent_n + 1 end
+    end
+  end
+  return recent_n
 end
 -- What every grant since RECKON_MS before the answering one's (its own aside) takes of a
 -- budget: its need in flight, what it used settled (`Budget._since`); nil: not known.
@@ -385,7 +425,8 @@ local function since(kind)
   end
   return sum
 end
--- A header with a remaining: what others took since the last one (`_Bucket.learn`).
+-- A header with a remaining: what others took since the last one (`_Bucket.learn`); the
+-- requests in flight are marked seen by it (h:<member>, for TOKENS_SETTLE).
 local function learn(kind, limit, level, gap)
   local f = redis.call('HMGET', B, kind .. ':heard', kind .. ':gap', kind .. ':os',
                        kind .. ':osp')
@@ -399,8 +440,18 @@ local function learn(kind, limit, level, gap)
     local decay = math.exp(-span / OTHERS_TAU_S)
     redis.call('HSET', B, kind .. ':os', tostring((tonumber(f[3] or '0') or 0) * decay + took),
                kind .. ':osp', tostring((tonumber(f[4] or '0') or 0) * decay + span))
+    redis.call('HSET', B, kind .. ':age',
+               tostring((tonumber(redis.call('HGET', B, kind .. ':age') or '0') or 0) + span))
   end
   redis.call('HSET', B, kind .. ':heard', tostring(now), kind .. ':gap', tostring(gap))
+  -- (the requests in flight, seen by it: h:<member>, for TOKENS_SETTLE)
+  local mark = kind .. '=' .. (heard and (redis.call('HGET', B, kind .. ':age') or '0') or '-')
+  for _, m in ipairs(redis.call('ZRANGE', F, 0, -1)) do
+    local h = redis.call('HGET', B, 'h:' .. m) or ''
+    if not string.find(' ' .. h, ' ' .. kind .. '=', 1, true) then
+      redis.call('HSET', B, 'h:' .. m, h == '' and mark or h .. ' ' .. mark)
+    end
+  end
 end
 -- The requests granted at or before ``upto`` (and its own) hold their real input in
 -- that budget now.
@@ -448,9 +499,9 @@ while ARGV[i] do
     local owed = tonumber(redis.call('HGET', B, kind .. ':owe') or '0') or 0
     if floor ~= nil then lifted = math.min(said - floor, level + owed) end
     local lift = floor ~= nil and lifted > level + now_limit * MARGIN
-    -- (others are learned only from a header with nothing granted after its request in
-    -- flight: `Budget._window`)
-    local clean = late('requests') == 0
+    -- (others are learned only from a header with nothing granted since RECKON_MS before
+    -- its request in flight: `Budget._window`)
+    local clean = mine and recent() == 0
     if created then
       redis.call('HSET', B, kind .. ':heard', tostring(now), kind .. ':gap', '0')
     elseif clean then

@@ -74,9 +74,9 @@ end
 return redis.call('HKEYS', B)
 """
 KNOWN_FIELDS = re.compile(r"(requests|tokens|input|output)"
-                          r":(hdr|lvl|at|new|heard|gap|os|osp|set|owe)"
+                          r":(hdr|lvl|at|new|heard|gap|os|osp|set|owe|age)"
                           r"|hold(_cause|_reason"
-                          r"|_since)?|seq|born|first(_due)?|[fc]:.+|us?\d+|gi|gev"
+                          r"|_since)?|seq|born|first(_due)?|[fch]:.+|us?\d+|gi|gev"
                           r"|g\d+")  # (g<n>: a settled grant; gev: one pushed out)
 
 
@@ -675,6 +675,52 @@ async def test_a_counted_requests_own_under_count_is_not_taken_for_others(
         await p.compare()
         assert (await p.views())[0]["budgets"]["input"]["others_per_minute"] == 0
         assert (await p.free())[0] == {"input": 48_000}
+
+
+async def test_relays_own_estimate_errors_and_late_arrivals_are_no_take_of_others(
+        server: RedisServer) -> None:
+    # The provider counts 7,000 of a and of b, which relay estimated at 10,000: c's clean
+    # header is 6,000 above relay's count, and a's and b's settlements give the 6,000
+    # back. Then e's header comes before the provider has e2's input (granted just
+    # before e): no measure is taken from it. Neither is a take of others'; with the
+    # measure decayed between its halves, each once read as others taking ~2,000 a
+    # minute.
+    async with pair(server, profile(itpm=60_000)) as p:
+        await p.take("z", 1_000, 0)
+        await p.advance(1)
+        await p.seen("z", {"input": (60_000, 60_000)})  # the measure starts
+        await p.settle("z", 1_000, 0)
+        await p.advance(3)
+        await p.take("a", 10_000, 0)
+        await p.take("b", 10_000, 0)
+        await p.advance(3)
+        await p.take("c", 1_000, 0)
+        await p.advance(0.5)
+        await p.seen("c", {"input": (60_000, 48_500)})  # clean: a and b at 7,000 each
+        await p.compare()
+        for name, used in (("c", 1_000), ("a", 7_000), ("b", 7_000)):
+            await p.settle(name, used, 0)
+        await p.advance(2)
+        await p.take("d", 1_000, 0)
+        await p.advance(1)
+        await p.seen("d", {"input": (60_000, 50_500)})
+        await p.settle("d", 1_000, 0)
+        await p.compare()
+        assert (await p.views())[0]["budgets"]["input"]["others_per_minute"] == 0
+        await p.advance(3)
+        await p.take("e2", 8_000, 0)
+        await p.take("e", 1_000, 0)
+        await p.advance(0.5)
+        await p.seen("e", {"input": (60_000, 53_000)})  # e2 not in it yet
+        await p.settle("e", 1_000, 0)
+        await p.advance(3)
+        await p.take("f", 1_000, 0)
+        await p.advance(0.5)
+        await p.seen("f", {"input": (60_000, 47_500)})  # e2 in it now
+        await p.settle("e2", 8_000, 0)
+        await p.settle("f", 1_000, 0)
+        await p.compare()
+        assert (await p.views())[0]["budgets"]["input"]["others_per_minute"] == 0
 
 
 async def test_output_in_flight_is_in_a_headers_remaining_not_taken_off_again(
