@@ -593,8 +593,8 @@ class Budget:
         begun before a model's budget was known here is in the figure, not in the count)."""
         clean = own is not None and not self._late("requests", None if started_at is None
                                                    else started_at - RECKON_S, own)
-        if created:
-            bucket.heard, bucket.gap = now, 0.0
+        if created:  # (requests begun before it are in none of its counts: the measure
+            bucket.heard = None  # starts at the next clean header)
         elif clean:
             measured = bucket.heard is not None
             bucket.learn(now, level, gap)

@@ -502,8 +502,8 @@ while ARGV[i] do
     -- (others are learned only from a header with nothing granted since RECKON_MS before
     -- its request in flight: `Budget._window`)
     local clean = mine and recent() == 0
-    if created then
-      redis.call('HSET', B, kind .. ':heard', tostring(now), kind .. ':gap', '0')
+    if created then  -- (requests begun before it are in none of its counts)
+      redis.call('HDEL', B, kind .. ':heard')
     elseif clean then
       learn(kind, now_limit, level, level - theirs)
     end
