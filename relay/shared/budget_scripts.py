@@ -296,8 +296,8 @@ for kind, b in pairs(back) do
       if taken ~= '-' then
         local f = redis.call('HMGET', B, kind .. ':os', kind .. ':age')
         local age = (tonumber(f[2] or '0') or 0) - (tonumber(taken) or 0)
-        local own = (u_in - r_in) * math.exp(-age / OTHERS_TAU_S)
-        redis.call('HSET', B, kind .. ':os', tostring((tonumber(f[1] or '0') or 0) - own))
+        local err = (u_in - r_in) * math.exp(-age / OTHERS_TAU_S)
+        redis.call('HSET', B, kind .. ':os', tostring((tonumber(f[1] or '0') or 0) - err))
       end
     end
   end
@@ -429,8 +429,9 @@ end
 -- requests in flight are marked seen by it (h:<member>, for TOKENS_SETTLE).
 local function learn(kind, limit, level, gap)
   local f = redis.call('HMGET', B, kind .. ':heard', kind .. ':gap', kind .. ':os',
-                       kind .. ':osp')
+                       kind .. ':osp', kind .. ':age')
   local heard = tonumber(f[1] or '')
+  local age = tonumber(f[5] or '0') or 0
   if heard then
     local span = math.max(0, now - heard) / 1000
     local took = gap - (tonumber(f[2] or '0') or 0)
@@ -440,12 +441,12 @@ local function learn(kind, limit, level, gap)
     local decay = math.exp(-span / OTHERS_TAU_S)
     redis.call('HSET', B, kind .. ':os', tostring((tonumber(f[3] or '0') or 0) * decay + took),
                kind .. ':osp', tostring((tonumber(f[4] or '0') or 0) * decay + span))
-    redis.call('HSET', B, kind .. ':age',
-               tostring((tonumber(redis.call('HGET', B, kind .. ':age') or '0') or 0) + span))
+    age = age + span
+    redis.call('HSET', B, kind .. ':age', tostring(age))
   end
   redis.call('HSET', B, kind .. ':heard', tostring(now), kind .. ':gap', tostring(gap))
   -- (the requests in flight, seen by it: h:<member>, for TOKENS_SETTLE)
-  local mark = kind .. '=' .. (heard and (redis.call('HGET', B, kind .. ':age') or '0') or '-')
+  local mark = kind .. '=' .. (heard and tostring(age) or '-')
   for _, m in ipairs(redis.call('ZRANGE', F, 0, -1)) do
     local h = redis.call('HGET', B, 'h:' .. m) or ''
     if not string.find(' ' .. h, ' ' .. kind .. '=', 1, true) then
@@ -499,8 +500,8 @@ while ARGV[i] do
     local owed = tonumber(redis.call('HGET', B, kind .. ':owe') or '0') or 0
     if floor ~= nil then lifted = math.min(said - floor, level + owed) end
     local lift = floor ~= nil and lifted > level + now_limit * MARGIN
-    -- (others are learned only from a header with nothing granted since RECKON_MS before
-    -- its request in flight: `Budget._window`)
+    -- (others are learned only from a header of a request of this budget with nothing
+    -- granted since RECKON_MS before it in flight: `Budget._measure`)
     local clean = mine and recent() == 0
     if created then  -- (requests begun before it are in none of its counts)
       redis.call('HDEL', B, kind .. ':heard')
